@@ -1,0 +1,48 @@
+"""inprocess: keeps distributed PyTorch training alive through faults.
+
+Two layers:
+
+* :class:`Wrapper` restarts the training function in-process on every healthy
+  rank when any rank raises, hangs or dies.
+* :mod:`inprocess.failover` (and the ``inprocess-run`` launcher) starts and
+  watches the worker processes of a job and replaces lost ones.
+"""
+
+import logging as _logging
+
+from . import (
+    abort,
+    exception,
+    finalize,
+    health_check,
+    initialize,
+    monitor_thread,
+    rank_assignment,
+    rank_filter,
+    state,
+    store,
+    tools,
+)
+from .compose import Compose
+from .wrap import CallWrapper, Wrapper
+
+__all__ = [
+    "CallWrapper",
+    "Compose",
+    "Wrapper",
+    "abort",
+    "exception",
+    "finalize",
+    "health_check",
+    "initialize",
+    "monitor_thread",
+    "rank_assignment",
+    "rank_filter",
+    "state",
+    "store",
+    "tools",
+]
+
+__version__ = "0.1.0"
+
+_logging.getLogger(__name__).addHandler(_logging.NullHandler())

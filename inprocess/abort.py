@@ -1,0 +1,87 @@
+"""Abort: stop whatever the wrapped function is blocked in, from another thread.
+
+``Abort`` instances run in the monitor thread while the main thread may still
+be blocked (in a collective, typically), and again in the main thread on the
+restart path; they must therefore be idempotent and thread-safe.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import threading
+
+from .state import State
+
+log = logging.getLogger(__name__)
+
+
+class Abort(abc.ABC):
+    """Base class of the ``abort`` argument of :class:`inprocess.Wrapper`.
+
+    Compose several with :class:`inprocess.Compose`.
+    """
+
+    @abc.abstractmethod
+    def __call__(self, state: State) -> State:
+        raise NotImplementedError
+
+
+class AbortTorchDistributed(Abort):
+    """Aborts every ``torch.distributed`` process group, then destroys them.
+
+    * gloo: the group's own pair connections are shut down (see
+      :mod:`inprocess.gloo_abort`), which releases blocked collectives at once.
+    * NCCL: the backend's ``abort()`` (``_shutdown()`` on older torch) stops
+      pending kernels and communicators.
+
+    Then ``destroy_process_group()`` frees the groups so that the next iteration
+    can initialize new ones.
+    """
+
+    def __init__(self, store_read_timeout: float = 2.0) -> None:
+        self.store_read_timeout = store_read_timeout
+        self._lock = threading.Lock()
+
+    def __call__(self, state: State) -> State:
+        import torch.distributed as dist
+
+        with self._lock:
+            if not (dist.is_available() and dist.is_initialized()):
+                return state
+            from .gloo_abort import release_blocked_collectives
+
+            try:
+                release_blocked_collectives(self.store_read_timeout)
+            except Exception:
+                log.exception("releasing gloo collectives failed")
+            _abort_nccl()
+            try:
+                dist.destroy_process_group()
+            except (ValueError, AssertionError, RuntimeError) as ex:
+                # Another thread destroyed it between our check and this call.
+                log.debug("destroy_process_group: %s", ex)
+        return state
+
+
+def _abort_nccl() -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    if not (dist.is_nccl_available() and torch.cuda.is_available()):
+        return
+    for pg in list(c10d._world.pg_map):
+        try:
+            backend = pg._get_backend(torch.device("cuda"))
+        except RuntimeError:
+            continue
+        if not isinstance(backend, dist.ProcessGroupNCCL):
+            continue
+        try:
+            if hasattr(backend, "abort"):
+                backend.abort()
+            else:  # torch < 2.5
+                backend._shutdown()
+        except Exception:
+            log.exception("aborting NCCL group %s failed", pg.group_name)

@@ -1,0 +1,223 @@
+"""Job spec: what the failover controller runs and the limits it enforces.
+
+A :class:`JobSpec` is immutable and validated when it is built, so every other
+part of the failover layer (state, policy, controller) can trust its fields.
+It is stored inside the durable job state (:mod:`inprocess.failover.state`)
+through :meth:`JobSpec.to_dict` / :meth:`JobSpec.from_dict`.
+
+Placement model: the job has ``nnodes`` nodes of ``nproc_per_node`` workers.
+Worker ``w`` (its global rank, ``0 .. world_size-1``) belongs to node
+``w // nproc_per_node``. Nodes run on *slots*: slots ``0 .. nnodes-1`` host
+nodes ``0 .. nnodes-1`` at first; slots ``nnodes .. nnodes+spare_nodes-1`` are
+spares that a relaunched node can move to.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = ["JOB_ID_PATTERN", "JobSpec", "SpecError"]
+
+#: allowed characters of a job id; it may name files, directories and store prefixes
+JOB_ID_PATTERN = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+class SpecError(ValueError):
+    """A job spec field has an invalid type or value; the message names the field."""
+
+
+def _check_int(name: str, value: Any, minimum: int) -> int:
+    # bool is an int subclass; `nnodes=True` is a mistake, not 1
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SpecError(
+            f"JobSpec.{name} must be an integer >= {minimum}, got {value!r} "
+            f"({type(value).__name__})"
+        )
+    if value < minimum:
+        raise SpecError(f"JobSpec.{name} must be an integer >= {minimum}, got {value}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class JobSpec:
+    """Immutable description of one failover job.
+
+    All fields are keyword-only. ``entrypoint`` may be given as any sequence of
+    strings; it is stored as a tuple so the spec stays hashable and immutable.
+    ``state_dir`` may be a path-like object; it is stored as ``str``.
+
+    Attributes:
+        job_id: name of the job, characters ``[A-Za-z0-9_.-]``, not ``.`` or ``..``.
+        entrypoint: the worker command: script path followed by its arguments.
+        nnodes: number of nodes (>= 1).
+        nproc_per_node: workers per node (>= 1).
+        spare_nodes: spare node slots a failing node can be moved to (>= 0).
+        max_restarts: restarts allowed per worker, i.e. failures of one worker
+            beyond which the job stops (>= 0).
+        per_node_max_failures: failures of one node's workers tolerated before
+            the node is relaunched (>= 1).
+        job_max_restarts: cold restarts of the whole job allowed (>= 0).
+        node_max_relaunches: node relaunches allowed in the whole job (>= 0).
+        state_dir: absolute directory holding the durable controller state.
+        master_addr: address workers use to reach rank 0 (``MASTER_ADDR``).
+        monitor_interval: seconds between two polls of the workers (> 0).
+    """
+
+    job_id: str
+    entrypoint: tuple[str, ...]
+    nnodes: int
+    nproc_per_node: int
+    state_dir: str
+    spare_nodes: int = 0
+    max_restarts: int = 3
+    per_node_max_failures: int = 3
+    job_max_restarts: int = 3
+    node_max_relaunches: int = 1
+    master_addr: str = "127.0.0.1"
+    monitor_interval: float = 0.1
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field; raise :class:`SpecError` naming the first bad one.
+
+        Normalizes ``entrypoint`` to a tuple, ``state_dir`` to ``str`` and
+        ``monitor_interval`` to ``float`` (the dataclass is frozen, so this uses
+        ``object.__setattr__``; it happens only while the spec is being built).
+        """
+        if not isinstance(self.job_id, str) or not JOB_ID_PATTERN.fullmatch(self.job_id):
+            raise SpecError(
+                f"JobSpec.job_id must be a non-empty string of letters, digits, '_', '.' "
+                f"or '-', got {self.job_id!r}"
+            )
+        if self.job_id in (".", ".."):
+            raise SpecError(f"JobSpec.job_id must not be '.' or '..', got {self.job_id!r}")
+
+        entrypoint = self.entrypoint
+        if isinstance(entrypoint, str | bytes) or not isinstance(entrypoint, Sequence):
+            raise SpecError(
+                "JobSpec.entrypoint must be a list of strings (script path, then its "
+                f"arguments), got {entrypoint!r}"
+            )
+        if len(entrypoint) == 0:
+            raise SpecError("JobSpec.entrypoint must not be empty: give the script path")
+        for i, arg in enumerate(entrypoint):
+            if not isinstance(arg, str):
+                raise SpecError(
+                    f"JobSpec.entrypoint[{i}] must be a string, got {arg!r} ({type(arg).__name__})"
+                )
+        if entrypoint[0] == "":
+            raise SpecError("JobSpec.entrypoint[0] (the script path) must not be empty")
+        object.__setattr__(self, "entrypoint", tuple(entrypoint))
+
+        _check_int("nnodes", self.nnodes, 1)
+        _check_int("nproc_per_node", self.nproc_per_node, 1)
+        _check_int("spare_nodes", self.spare_nodes, 0)
+        _check_int("max_restarts", self.max_restarts, 0)
+        _check_int("per_node_max_failures", self.per_node_max_failures, 1)
+        _check_int("job_max_restarts", self.job_max_restarts, 0)
+        _check_int("node_max_relaunches", self.node_max_relaunches, 0)
+
+        state_dir = self.state_dir
+        if isinstance(state_dir, os.PathLike):
+            state_dir = os.fspath(state_dir)
+        if not isinstance(state_dir, str) or not os.path.isabs(state_dir):
+            raise SpecError(f"JobSpec.state_dir must be an absolute path, got {state_dir!r}")
+        object.__setattr__(self, "state_dir", state_dir)
+
+        if (
+            not isinstance(self.master_addr, str)
+            or not self.master_addr
+            or any(c.isspace() for c in self.master_addr)
+        ):
+            raise SpecError(
+                "JobSpec.master_addr must be a non-empty host name or IP address "
+                f"without spaces, got {self.master_addr!r}"
+            )
+
+        interval = self.monitor_interval
+        if (
+            isinstance(interval, bool)
+            or not isinstance(interval, int | float)
+            or not math.isfinite(interval)
+            or interval <= 0
+        ):
+            raise SpecError(
+                f"JobSpec.monitor_interval must be a finite number of seconds > 0, got {interval!r}"
+            )
+        object.__setattr__(self, "monitor_interval", float(interval))
+
+    # -- placement helpers -------------------------------------------------
+
+    @property
+    def world_size(self) -> int:
+        """Number of workers: ``nnodes * nproc_per_node``."""
+        return self.nnodes * self.nproc_per_node
+
+    @property
+    def num_slots(self) -> int:
+        """Number of node slots, spares included: ``nnodes + spare_nodes``."""
+        return self.nnodes + self.spare_nodes
+
+    def node_of(self, worker: int) -> int:
+        """Node that worker (global rank) ``worker`` belongs to."""
+        self._check_worker(worker)
+        return worker // self.nproc_per_node
+
+    def local_rank_of(self, worker: int) -> int:
+        """Rank of ``worker`` within its node (``LOCAL_RANK``)."""
+        self._check_worker(worker)
+        return worker % self.nproc_per_node
+
+    def workers_of(self, node: int) -> range:
+        """Workers (global ranks) of node ``node``, in order."""
+        if isinstance(node, bool) or not isinstance(node, int) or not 0 <= node < self.nnodes:
+            raise ValueError(f"node must be an integer in 0..{self.nnodes - 1}, got {node!r}")
+        start = node * self.nproc_per_node
+        return range(start, start + self.nproc_per_node)
+
+    def _check_worker(self, worker: int) -> None:
+        if (
+            isinstance(worker, bool)
+            or not isinstance(worker, int)
+            or not 0 <= worker < self.world_size
+        ):
+            raise ValueError(
+                f"worker must be an integer in 0..{self.world_size - 1}, got {worker!r}"
+            )
+
+    # -- serialization -----------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly dict of every field (``entrypoint`` as a list)."""
+        data = dataclasses.asdict(self)
+        data["entrypoint"] = list(self.entrypoint)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> JobSpec:
+        """Build a spec from :meth:`to_dict` output.
+
+        Every field must be present: a stored spec is complete, and silently
+        filling a missing limit with today's default would change the policy of
+        a job being resumed. Unknown fields are rejected too.
+        """
+        if not isinstance(data, Mapping):
+            raise SpecError(f"JobSpec data must be a mapping, got {type(data).__name__}")
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(str(k) for k in data if k not in names)
+        if unknown:
+            raise SpecError(
+                f"JobSpec: unknown field(s) {', '.join(unknown)}; allowed fields: "
+                f"{', '.join(names)}"
+            )
+        missing = [n for n in names if n not in data]
+        if missing:
+            raise SpecError(f"JobSpec: missing field(s) {', '.join(missing)}")
+        return cls(**{n: data[n] for n in names})

@@ -1,0 +1,233 @@
+"""Releasing threads blocked in gloo collectives.
+
+A thread blocked in a gloo collective is not released by ``abort()``,
+``shutdown()`` or ``destroy_process_group()`` from another thread (pytorch
+issue 130345); it is released when the pair's TCP connection breaks. So we
+break exactly those connections: ``shutdown(SHUT_RDWR)`` on the process group's
+own established sockets. The blocked operation fails with "Connection closed by
+peer" at once, locally and on every peer, and the group can then be destroyed.
+
+Which sockets belong to a group is not guessed. Each gloo rank publishes its
+listening address (a ``sockaddr``) in the group's store (``pg_map`` holds the
+group's ``PrefixStore("<group>/", ...)``) under ``cpu//<device index>/<rank>``;
+every pair connection of the group
+has one of those addresses at one of its ends. A socket whose local or remote
+address is a published listening address of the group is the group's, and no
+other socket of the process can have such an address: the store's and the
+user's sockets are never touched.
+
+Safety rules, each learnt the hard way:
+
+* Never touch the listening socket: gloo's accept loop treats an error there
+  as fatal and terminates the process.
+* Never act on a bare fd number: gloo closes and the process reuses fds at any
+  time. The fd is duplicated first and the duplicate's inode compared with the
+  socket's; ``shutdown`` on the verified duplicate acts on the right socket.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import struct
+import threading
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+_TCP_ESTABLISHED = "01"
+_TCP_LISTEN = "0A"
+
+
+@dataclass(frozen=True)
+class TcpSocket:
+    inode: int
+    local: tuple[int, bytes, int]  # family, address bytes, port
+    remote: tuple[int, bytes, int]
+    state: str
+
+
+def _parse_proc_address(text: str, family: int) -> tuple[int, bytes, int]:
+    host, port = text.split(":")
+    raw = bytes.fromhex(host)
+    # /proc prints each 32-bit word in host byte order.
+    words = [raw[i : i + 4] for i in range(0, len(raw), 4)]
+    if struct.pack("=I", 1) == struct.pack("<I", 1):
+        words = [w[::-1] for w in words]
+    return family, b"".join(words), int(port, 16)
+
+
+def process_tcp_sockets() -> list[TcpSocket]:
+    """TCP sockets of this network namespace, with their inodes."""
+    sockets = []
+    for path, family in (
+        ("/proc/self/net/tcp", socket.AF_INET),
+        ("/proc/self/net/tcp6", socket.AF_INET6),
+    ):
+        try:
+            with open(path) as f:
+                lines = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) < 10:
+                continue
+            inode = int(fields[9])
+            if inode == 0:
+                continue
+            sockets.append(
+                TcpSocket(
+                    inode=inode,
+                    local=_parse_proc_address(fields[1], family),
+                    remote=_parse_proc_address(fields[2], family),
+                    state=fields[3],
+                )
+            )
+    return sockets
+
+
+def socket_fds() -> dict[int, int]:
+    """Map socket inode -> fd for this process's open sockets."""
+    result = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            result[int(target[8:-1])] = int(name)
+    return result
+
+
+def _sockaddr_matches(blob: bytes, address: tuple[int, bytes, int]) -> bool:
+    """Whether ``blob`` contains a ``sockaddr`` for ``address``."""
+    family, host, port = address
+    if family == socket.AF_INET6 and host[:12] == b"\x00" * 10 + b"\xff\xff":
+        family, host = socket.AF_INET, host[12:]  # an IPv4-mapped IPv6 address
+    if family == socket.AF_INET:
+        return struct.pack("=H", socket.AF_INET) + struct.pack("!H", port) + host in blob
+    head = struct.pack("=H", socket.AF_INET6) + struct.pack("!H", port)
+    start = blob.find(head)
+    while start != -1:
+        # sockaddr_in6: family, port, flowinfo (4 bytes), address (16 bytes), scope
+        if blob[start + 8 : start + 24] == host:
+            return True
+        start = blob.find(head, start + 1)
+    return False
+
+
+def _gloo_address_blobs(pg: Any, store: Any, timeout: float) -> list[bytes]:
+    """The address records gloo published for ``pg`` (read with a bounded wait)."""
+    result: list[bytes] = []
+    error: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            size = pg.size()
+            # The layout of torch 2.x; the group-name level is tried too in case
+            # a version hands out the parent store.
+            for layout in ("cpu//{device}/{rank}", f"{pg.group_name}//cpu//{{device}}/{{rank}}"):
+                for device in range(16):
+                    keys = [layout.format(device=device, rank=rank) for rank in range(size)]
+                    if not store.check(keys[:1]):
+                        break
+                    for key in keys:
+                        if store.check([key]):
+                            result.append(bytes(store.get(key)))
+                if result:
+                    return
+        except BaseException as ex:  # a dead store: nothing to match
+            error.append(ex)
+
+    reader = threading.Thread(target=read, name="inprocess-gloo-addresses", daemon=True)
+    reader.start()
+    reader.join(timeout)
+    if reader.is_alive():
+        log.warning("reading gloo addresses of group %s timed out", pg.group_name)
+        return []
+    if error:
+        log.debug("cannot read gloo addresses of group %s: %s", pg.group_name, error[0])
+    elif not result:
+        log.warning(
+            "no gloo addresses found for group %s: a blocked collective will only be "
+            "released by its timeout",
+            pg.group_name,
+        )
+    return result
+
+
+def gloo_groups() -> Iterator[tuple[Any, Any]]:
+    """(process group, its store) for every live process group with a gloo backend."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    for pg, (_backend, store) in list(c10d._world.pg_map.items()):
+        try:
+            backend = pg._get_backend(torch.device("cpu"))
+        except RuntimeError:
+            continue
+        if type(backend).__name__ == "ProcessGroupGloo":
+            yield pg, store
+
+
+def group_sockets(groups: Iterable[tuple[Any, Any]], timeout: float = 2.0) -> list[TcpSocket]:
+    """Established sockets of this process that belong to ``groups``."""
+    blobs: list[bytes] = []
+    for pg, store in groups:
+        blobs.extend(_gloo_address_blobs(pg, store, timeout))
+    if not blobs:
+        return []
+    owned = socket_fds()
+    matched = []
+    for sock in process_tcp_sockets():
+        if sock.inode not in owned or sock.state != _TCP_ESTABLISHED:
+            continue
+        if any(
+            _sockaddr_matches(b, sock.local) or _sockaddr_matches(b, sock.remote) for b in blobs
+        ):
+            matched.append(sock)
+    return matched
+
+
+def shutdown_socket(inode: int, fd: int) -> bool:
+    """``shutdown(SHUT_RDWR)`` on the socket ``inode`` if ``fd`` still refers to it."""
+    try:
+        dup = os.dup(fd)
+    except OSError:
+        return False  # already closed by its owner
+    try:
+        if os.fstat(dup).st_ino != inode:
+            return False  # fd was reused for something else
+        sock = socket.socket(fileno=dup)
+        try:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            return True
+        finally:
+            sock.detach()
+    finally:
+        os.close(dup)
+
+
+def release_blocked_collectives(timeout: float = 2.0) -> int:
+    """Breaks the connections of every gloo group of this process; returns how many."""
+    groups = list(gloo_groups())
+    if not groups:
+        return 0
+    sockets = group_sockets(groups, timeout)
+    fds = socket_fds()
+    released = 0
+    for sock in sockets:
+        fd = fds.get(sock.inode)
+        if fd is not None and shutdown_socket(sock.inode, fd):
+            released += 1
+    log.debug("shut down %d gloo sockets of %d groups", released, len(groups))
+    return released

@@ -1,0 +1,408 @@
+"""The monitor process: a guardian outside the training process.
+
+One per rank. It must inherit neither a CUDA context nor a thread stuck
+holding a lock. When the caller is the only Python thread and CUDA is not
+initialized it is forked (instant: torch is already imported), and the child
+drops everything it inherited that it must not touch: every file descriptor
+but its own, the parent's signal handlers and log handlers, and the garbage
+collector (frozen, so no parent object's finalizer ever closes a descriptor
+number the child reuses). Otherwise it is started as a fresh interpreter
+(``python -m inprocess.monitor_process_main``). It
+
+* watches its training process through a pidfd: any death (a signal, a
+  segfault, ``os._exit``) is noticed at once and recorded in the store, which
+  makes every other rank restart without this one;
+* enforces the hard timeout: when the progress board shows no progress for
+  ``hard_timeout``, it sends SIGCONT and SIGTERM, waits
+  ``termination_grace_time``, then SIGCONT, SIGTERM and SIGKILL;
+* sends heartbeats for its rank and watches the heartbeats of the next ranks of
+  the current membership (a ring), declaring a rank terminated when its counter
+  has not changed for ``heartbeat_timeout`` as seen by this process's clock, so
+  clocks of different hosts are never compared;
+* exits when its rank's Wrapper call ends, or right after reporting its rank's
+  death, and a deadline bounds that report, so it never outlives its job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import os
+import pickle
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .progress_watchdog import ProgressBoard
+
+log = logging.getLogger(__name__)
+
+#: seconds a monitor may spend reporting its rank's death before it gives up
+REPORT_DEADLINE = 30
+#: how many successors in the membership ring each monitor watches
+WATCHED_PEERS = 2
+
+_SHUTDOWN = b"S"
+_READY = b"R"
+
+
+@dataclass
+class MonitorConfig:
+    """Everything the monitor process needs, sent pickled on its stdin."""
+
+    identity: str
+    initial_rank: int
+    parent_pid: int
+    board_fd: int
+    control_fd: int
+    ready_fd: int
+    store_factory: Any
+    store_kwargs: dict[str, Any]
+    namespace: str
+    interval: float
+    heartbeat_interval: float
+    heartbeat_timeout: float
+    hard_timeout: float
+    termination_grace_time: float
+    logfile: str | None
+    log_level: int = logging.INFO
+    env: dict[str, str] = field(default_factory=dict)
+
+
+class _ForkedChild:
+    """The few ``subprocess.Popen`` methods we use, for a forked child."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float) -> int:
+        deadline = time.monotonic() + timeout
+        while self.poll() is None:
+            if time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"monitor process {self.pid}", timeout)
+            time.sleep(0.002)
+        assert self.returncode is not None
+        return self.returncode
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+
+
+def fork_is_safe() -> bool:
+    """Whether forking cannot hand the child a CUDA context or a locked Python thread."""
+    if threading.active_count() != 1 or not hasattr(os, "fork"):
+        return False
+    torch = sys.modules.get("torch")
+    cuda = getattr(torch, "cuda", None)
+    return not (cuda is not None and cuda.is_initialized())
+
+
+class MonitorProcess:
+    """Parent-side handle of a rank's monitor process."""
+
+    def __init__(self, config: MonitorConfig, board: ProgressBoard) -> None:
+        self.config = config
+        self.board = board
+        self.process: subprocess.Popen[bytes] | _ForkedChild | None = None
+        self.forked = False
+        self._control_w: int | None = None
+        self._ready_r: int | None = None
+
+    def start(self, timeout: float) -> None:
+        """Starts the process and waits until it is connected to the store."""
+        control_r, control_w = os.pipe()
+        ready_r, ready_w = os.pipe()
+        self.config.board_fd = self.board.fd
+        self.config.control_fd = control_r
+        self.config.ready_fd = ready_w
+        try:
+            if fork_is_safe():
+                self._fork()
+            else:
+                self._spawn()
+        finally:
+            os.close(control_r)
+            os.close(ready_w)
+        self._control_w = control_w
+        self._ready_r = ready_r
+        ready, _, _ = select.select([ready_r], [], [], timeout)
+        message = os.read(ready_r, 1) if ready else b""
+        if message != _READY:
+            self.shutdown()
+            raise RuntimeError(
+                f"the monitor process did not start within {timeout:.3g}s"
+                f" (exit code {self.process.poll()})"
+            )
+
+    def _fork(self) -> None:
+        keep = {self.config.board_fd, self.config.control_fd, self.config.ready_fd}
+        pid = os.fork()
+        if pid == 0:  # the child: never returns
+            code = 1
+            try:
+                _sanitize_after_fork(keep)
+                code = run(self.config)
+            finally:
+                os._exit(code)
+        self.forked = True
+        self.process = _ForkedChild(pid)
+
+    def _spawn(self) -> None:
+        env = dict(os.environ)
+        env.update(self.config.env)
+        env.setdefault("PYTHONWARNINGS", "ignore:Failed to initialize NumPy")
+        process = subprocess.Popen(
+            [sys.executable, "-m", "inprocess.monitor_process_main"],
+            stdin=subprocess.PIPE,
+            pass_fds=(self.config.board_fd, self.config.control_fd, self.config.ready_fd),
+            env=env,
+            start_new_session=True,
+            close_fds=True,
+        )
+        assert process.stdin is not None
+        process.stdin.write(pickle.dumps(self.config))
+        process.stdin.close()
+        self.process = process
+
+    def is_alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Tells the monitor that this rank is done, and waits for it to exit."""
+        if self._control_w is not None:
+            with contextlib.suppress(OSError):
+                os.write(self._control_w, _SHUTDOWN)
+            os.close(self._control_w)
+            self._control_w = None
+        if self._ready_r is not None:
+            os.close(self._ready_r)
+            self._ready_r = None
+        if self.process is not None:
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                log.warning("monitor process %d did not exit; killing it", self.process.pid)
+                self.process.kill()
+                self.process.wait()
+            self.process = None
+
+
+# --------------------------------------------------------------------------- child side
+
+
+class _Guardian:
+    """The monitor process's loop; one instance per process."""
+
+    def __init__(self, config: MonitorConfig) -> None:
+        self.config = config
+        self.board = ProgressBoard(config.board_fd)
+        self.parent_fd = os.pidfd_open(config.parent_pid)
+        self.store: Any = None
+        self.kill_started: float | None = None
+        self.kill_escalated = False
+        self.next_heartbeat = 0.0
+        self.peer_seen: dict[str, tuple[int, float]] = {}
+        self.membership_iteration = -1
+        self.peers: list[str] = []
+
+    def connect(self) -> None:
+        from .store import PrefixStore
+
+        raw = self.config.store_factory.client(**self.config.store_kwargs)
+        self.store = PrefixStore(self.config.namespace, raw)
+        self.store.send_heartbeat(self.config.identity)
+
+    def run(self) -> None:
+        poller = select.poll()
+        poller.register(self.parent_fd, select.POLLIN)
+        poller.register(self.config.control_fd, select.POLLIN)
+        while True:
+            events = dict(poller.poll(self.config.interval * 1000))
+            if self.config.control_fd in events:
+                data = b""
+                with contextlib.suppress(OSError):
+                    data = os.read(self.config.control_fd, 1)
+                if data == _SHUTDOWN:
+                    log.info("rank %s done; monitor exits", self.config.identity)
+                    return
+                poller.unregister(self.config.control_fd)  # EOF: the parent is exiting
+            if self.parent_fd in events:
+                self.on_parent_exit()
+                return
+            now = time.monotonic()
+            self.enforce_hard_timeout(now)
+            try:
+                if now >= self.next_heartbeat:
+                    self.store.send_heartbeat(self.config.identity)
+                    self.next_heartbeat = now + self.config.heartbeat_interval
+                self.watch_peers(now)
+            except Exception as ex:
+                log.warning("store unavailable: %s", ex)
+
+    def on_parent_exit(self) -> None:
+        # The report must not hang forever on an unreachable store.
+        signal.alarm(REPORT_DEADLINE)
+        _, _, _, _, finished = self.board.read()
+        if finished:
+            log.info("rank %s finished and exited", self.config.identity)
+            return
+        if self.kill_started is not None:
+            reason = (
+                f"killed by the hard timeout ({self.config.hard_timeout:.3g}s without progress)"
+            )
+        else:
+            reason = "process died"
+        log.warning("rank %s: %s", self.config.identity, reason)
+        try:
+            self.store.mark_terminated(self.config.identity, reason)
+        except Exception as ex:
+            log.error("cannot record the death of rank %s: %s", self.config.identity, ex)
+
+    def enforce_hard_timeout(self, now: float) -> None:
+        _, _, _, _, finished = self.board.read()
+        if finished:
+            return
+        pid = self.config.parent_pid
+        if self.kill_started is None:
+            stalled = now - self.board.last_progress()
+            if stalled <= self.config.hard_timeout:
+                return
+            log.warning(
+                "rank %s made no progress for %.2fs: terminating process %d",
+                self.config.identity,
+                stalled,
+                pid,
+            )
+            self.kill_started = now
+            _send(pid, signal.SIGCONT, signal.SIGTERM)
+        elif (
+            not self.kill_escalated
+            and now - self.kill_started >= self.config.termination_grace_time
+        ):
+            self.kill_escalated = True
+            log.warning("process %d still alive after the grace time: killing it", pid)
+            _send(pid, signal.SIGCONT, signal.SIGTERM, signal.SIGKILL)
+
+    def watch_peers(self, now: float) -> None:
+        membership = self.store.membership()
+        if membership is None:
+            return
+        iteration, members = membership
+        if iteration != self.membership_iteration:
+            self.membership_iteration = iteration
+            self.peers = _ring_successors(members, self.config.identity, WATCHED_PEERS)
+            self.peer_seen = {p: v for p, v in self.peer_seen.items() if p in self.peers}
+        if not self.peers:
+            return
+        for peer, count in zip(self.peers, self.store.heartbeats(self.peers), strict=True):
+            last = self.peer_seen.get(peer)
+            if last is None or last[0] != count:
+                self.peer_seen[peer] = (count, now)
+                continue
+            if now - last[1] <= self.config.heartbeat_timeout:
+                continue
+            if self.store.has_completed(peer) or self.store.is_terminated(peer):
+                continue
+            log.warning(
+                "rank %s sent no heartbeat for %.2fs: declaring it terminated", peer, now - last[1]
+            )
+            self.store.mark_terminated(peer, f"no heartbeat for {now - last[1]:.2f}s")
+
+
+def _ring_successors(members: list[str], identity: str, count: int) -> list[str]:
+    if identity not in members or len(members) < 2:
+        return []
+    index = members.index(identity)
+    n = len(members)
+    return [members[(index + k) % n] for k in range(1, min(count, n - 1) + 1)]
+
+
+def _send(pid: int, *signals: signal.Signals) -> None:
+    for sig in signals:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+def _configure_logging(config: MonitorConfig) -> None:
+    logger = logging.getLogger("inprocess")
+    logger.setLevel(config.log_level)
+    logger.propagate = False
+    if config.logfile:
+        handler: logging.Handler = logging.FileHandler(
+            config.logfile.format(rank=config.initial_rank)
+        )
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setLevel(logging.WARNING)
+    handler.setFormatter(
+        logging.Formatter(
+            f"%(asctime)s monitor[{config.initial_rank}] %(levelname)s %(name)s: %(message)s"
+        )
+    )
+    logger.addHandler(handler)
+
+
+def _sanitize_after_fork(keep: set[int]) -> None:
+    """Drops what a forked child inherited and must not use."""
+    gc.freeze()  # no finalizer of a parent object may run (and close a reused fd)
+    gc.disable()
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd > 2 and fd not in keep:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGALRM):
+        signal.signal(sig, signal.SIG_DFL)
+    if hasattr(signal, "SIGRTMIN"):
+        for sig in range(signal.SIGRTMIN, signal.SIGRTMAX + 1):
+            with contextlib.suppress(OSError, ValueError):
+                signal.signal(sig, signal.SIG_DFL)
+    os.setsid()
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    for handler in list(logging.getLogger("inprocess").handlers):
+        logging.getLogger("inprocess").removeHandler(handler)
+
+
+def main() -> int:
+    """Entry point of a monitor process started as a fresh interpreter."""
+    config: MonitorConfig = pickle.loads(sys.stdin.buffer.read())
+    return run(config)
+
+
+def run(config: MonitorConfig) -> int:
+    """The monitor process's life: connect, report ready, watch until done."""
+    # Lifecycle is driven by the parent (pipe, pidfd), not by terminal signals.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _configure_logging(config)
+    try:
+        guardian = _Guardian(config)
+    except ProcessLookupError:
+        return 0  # the parent is already gone
+    try:
+        guardian.connect()
+    except Exception as ex:
+        log.error("cannot connect to the store: %s", ex)
+        return 1
+    os.write(config.ready_fd, _READY)
+    os.close(config.ready_fd)
+    log.info("monitoring rank %s (pid %d)", config.identity, config.parent_pid)
+    guardian.run()
+    return 0
+

@@ -1,0 +1,313 @@
+"""The in-process watcher: notices faults and interrupts the wrapped function.
+
+The monitor thread polls the store's fault counter and the progress watchdog.
+When the current iteration is faulted it waits ``last_call_wait`` (so that
+concurrent faults of other ranks are recorded), then, holding the lock that
+:meth:`inprocess.CallWrapper.atomic` shares, raises :class:`RankShouldRestart`
+in the main thread asynchronously and runs the ``Abort`` callback, which
+releases a main thread blocked in a collective. It keeps raising until the main
+thread acknowledges (``disarm``), because user code may swallow the exception
+once, or it may be lost in a ``__del__`` or a callback.
+
+A main thread blocked in a system call with the GIL released (``time.sleep``, a
+socket read, a lock) does not run bytecode and would never see an asynchronous
+exception. The monitor thread therefore also sends it a signal: the system call
+returns ``EINTR``, the interpreter runs the (empty) Python signal handler, and
+the pending asynchronous exception is raised there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import signal
+import sys
+import threading
+import types
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+#: signal used to interrupt a system call of the main thread; real-time signals
+#: are queued and unused by Python and torch
+INTERRUPT_SIGNAL = signal.SIGRTMIN + 3 if hasattr(signal, "SIGRTMIN") else None
+
+
+class RankShouldRestart(BaseException):
+    """Raised asynchronously in the wrapped function to start a restart.
+
+    A ``BaseException`` so that ``except Exception`` in user code does not stop
+    it. The wrapped function must let it propagate.
+    """
+
+
+_set_async_exc = ctypes.pythonapi.PyThreadState_SetAsyncExc
+_set_async_exc.argtypes = [ctypes.c_ulong, ctypes.py_object]
+_set_async_exc.restype = ctypes.c_int
+
+
+def async_raise(thread_id: int, exc_type: type[BaseException] | None) -> None:
+    """Raises ``exc_type`` in thread ``thread_id`` when it next runs bytecode.
+
+    ``exc_type`` must be an exception class (CPython takes a type, not an
+    instance); pass ``None`` to cancel a pending asynchronous exception.
+    """
+    if exc_type is not None and not (
+        isinstance(exc_type, type) and issubclass(exc_type, BaseException)
+    ):
+        raise TypeError(f"exc_type must be an exception class or None, got {exc_type!r}")
+    obj = ctypes.py_object(exc_type) if exc_type is not None else ctypes.py_object()
+    count = _set_async_exc(ctypes.c_ulong(thread_id), obj)
+    if count == 0 and exc_type is not None:
+        raise ValueError(f"no thread with id {thread_id}")
+    if count > 1:
+        _set_async_exc(ctypes.c_ulong(thread_id), ctypes.py_object())
+        raise SystemError(f"PyThreadState_SetAsyncExc affected {count} threads")
+
+
+def exception_with_message(base: type[BaseException], message: str) -> type[BaseException]:
+    """A subclass of ``base`` whose instances print ``message``.
+
+    Asynchronous exceptions are raised from a type, so a message must live in
+    the class.
+    """
+    text = str(message)
+
+    def __init__(self: BaseException, *args: Any) -> None:
+        base.__init__(self, *(args or (text,)))
+
+    return types.new_class(base.__name__, (base,), {}, lambda ns: ns.update(__init__=__init__))
+
+
+class reraise_if_unraisable(contextlib.ContextDecorator):
+    """Re-raises exceptions of ``exc_type`` that the interpreter could not raise.
+
+    An asynchronous exception that lands in a ``__del__`` method, a weakref
+    callback or a ctypes callback is not propagated; the interpreter reports it
+    to ``sys.unraisablehook`` and carries on. Inside this context (or decorated
+    function) such an exception is raised again in the thread that lost it, at
+    its next bytecode. Other unraisable exceptions go to the previous hook.
+    """
+
+    def __init__(self, exc_type: type[BaseException]) -> None:
+        self.exc_type = exc_type
+        self._stack: list[tuple[int, Callable[..., Any]]] = []
+
+    def _hook(self, unraisable: Any) -> None:
+        thread_id, previous = self._stack[-1] if self._stack else (None, sys.__unraisablehook__)
+        exc = unraisable.exc_value
+        if (
+            exc is not None
+            and isinstance(exc, self.exc_type)
+            and threading.get_ident() == thread_id
+        ):
+            log.debug("re-raising %r lost in %r", exc, unraisable.object)
+            async_raise(thread_id, type(exc))
+        else:
+            previous(unraisable)
+
+    def __enter__(self) -> reraise_if_unraisable:
+        self._stack.append((threading.get_ident(), sys.unraisablehook))
+        sys.unraisablehook = self._hook
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        _, previous = self._stack.pop()
+        if sys.unraisablehook == self._hook:
+            sys.unraisablehook = previous
+
+
+def _noop_handler(signum: int, frame: Any) -> None:
+    """Running this handler is enough: the pending async exception is raised on entry."""
+
+
+class InterruptSignal:
+    """Installs the (empty) handler of :data:`INTERRUPT_SIGNAL` for one call.
+
+    Only possible on the main thread; elsewhere the Wrapper cannot interrupt a
+    system call and relies on the hard timeout instead.
+    """
+
+    def __init__(self) -> None:
+        self.installed = False
+        self._previous: Any = None
+
+    def install(self) -> None:
+        if INTERRUPT_SIGNAL is None or threading.current_thread() is not threading.main_thread():
+            return
+        self._previous = signal.signal(INTERRUPT_SIGNAL, _noop_handler)
+        self.installed = True
+
+    def uninstall(self) -> None:
+        if self.installed:
+            signal.signal(INTERRUPT_SIGNAL, self._previous)
+            self.installed = False
+
+    def send(self, thread_id: int) -> None:
+        if self.installed:
+            with contextlib.suppress(ProcessLookupError, OSError):
+                signal.pthread_kill(thread_id, INTERRUPT_SIGNAL)
+
+
+class Armed:
+    """One iteration as seen by the monitor thread.
+
+    ``baseline`` is the store's fault count when the iteration was decided; the
+    iteration is faulted once the count exceeds it.
+    """
+
+    def __init__(self, iteration: int, baseline: int, state: Any) -> None:
+        self.iteration = iteration
+        self.baseline = baseline
+        self.state = state
+        #: set by the monitor thread (under the lock) when it starts the restart
+        self.interrupted = False
+        #: set by the main thread, without any eval-breaker checkpoint before it,
+        #: as soon as it has caught the exception that ends the iteration
+        self.acked = False
+        self.cause: str | None = None
+
+
+class MonitorThread(threading.Thread):
+    """Watches the store and the progress watchdog for one Wrapper call.
+
+    Invariants (enforced with ``lock``, the lock :meth:`CallWrapper.atomic` uses):
+
+    * The asynchronous exception is only ever sent while an iteration is armed,
+      i.e. while the main thread is inside the interruptible region.
+    * ``disarm`` (main thread) and the sending of exceptions are mutually
+      exclusive, and ``disarm`` cancels any exception still pending, so nothing
+      is raised into the main thread once it has left the region.
+    * Abort runs at most once per iteration from this thread, under the lock.
+    """
+
+    def __init__(
+        self,
+        *,
+        store: Any,
+        identity: str,
+        target_thread_id: int,
+        lock: threading.RLock,
+        interval: float,
+        last_call_wait: float,
+        soft_timeout: float,
+        stalled_for: Callable[[], float],
+        abort: Callable[[Any], Any] | None,
+        interrupt: InterruptSignal,
+    ) -> None:
+        super().__init__(name="inprocess-monitor-thread", daemon=True)
+        self.store = store
+        self.identity = identity
+        self.target_thread_id = target_thread_id
+        self.lock = lock
+        self.interval = interval
+        self.last_call_wait = last_call_wait
+        self.soft_timeout = soft_timeout
+        self.stalled_for = stalled_for
+        self.abort = abort
+        self.interrupt = interrupt
+        self._armed: Armed | None = None
+        self._stop_event = threading.Event()
+        self._wake = threading.Event()
+
+    # ---------------------------------------------------------------- main thread side
+
+    def arm(self, iteration: int, baseline: int, state: Any) -> Armed:
+        armed = Armed(iteration, baseline, state)
+        with self.lock:
+            self._armed = armed
+        self._wake.set()
+        return armed
+
+    def disarm(self) -> Armed | None:
+        """Leaves the interruptible region; returns the iteration that was armed.
+
+        Safe against the restart exception landing while it runs: it retries
+        until it has both cleared the armed iteration and cancelled any pending
+        asynchronous exception under the lock.
+        """
+        while True:
+            try:
+                with self.lock:
+                    armed, self._armed = self._armed, None
+                    async_raise(self.target_thread_id, None)
+                return armed
+            except RankShouldRestart:
+                continue
+
+    @property
+    def restart_in_progress(self) -> bool:
+        armed = self._armed
+        return armed is not None and armed.interrupted
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop_event.set()
+        self._wake.set()
+        if self.is_alive():
+            self.join(timeout)
+
+    # ---------------------------------------------------------------- monitor thread side
+
+    def run(self) -> None:
+        while not self._stop_event.is_set():
+            self._wake.wait(self.interval)
+            self._wake.clear()
+            armed = self._armed
+            if armed is None or armed.interrupted or armed.acked or self._stop_event.is_set():
+                continue
+            try:
+                cause = self._check(armed)
+            except Exception as ex:  # the store is unreachable: restarting will tell
+                log.error("monitor thread cannot read the store: %s", ex)
+                cause = f"store error: {ex}"
+            if cause is None:
+                continue
+            try:
+                outcome = self.store.decide_outcome(armed.iteration, "fault")
+            except Exception as ex:
+                log.error("monitor thread cannot write the store: %s", ex)
+                outcome = "fault"
+            if outcome != "fault":
+                continue  # the iteration completed first; nothing to interrupt
+            if self._stop_event.wait(self.last_call_wait):
+                return
+            self._interrupt(armed, cause)
+
+    def _check(self, armed: Armed) -> str | None:
+        stalled = self.stalled_for()
+        if stalled > self.soft_timeout:
+            reason = f"soft timeout: no progress for {stalled:.2f}s"
+            log.warning("%s: %s", self.identity, reason)
+            self.store.record_fault(self.identity, reason)
+            return reason
+        if self.store.fault_count() > armed.baseline:
+            return "fault reported"
+        return None
+
+    def _interrupt(self, armed: Armed, cause: str) -> None:
+        with self.lock:
+            if self._armed is not armed or armed.acked:
+                return  # the main thread got there first
+            log.debug("%s: interrupting iteration %d (%s)", self.identity, armed.iteration, cause)
+            armed.interrupted = True
+            armed.cause = cause
+            async_raise(self.target_thread_id, RankShouldRestart)
+            if self.abort is not None:
+                try:
+                    self.abort(armed.state)
+                except Exception:
+                    log.exception("abort failed in the monitor thread")
+        # Keep raising until acknowledged: user code may have swallowed it. The
+        # signal that breaks a blocking system call is only sent from the
+        # first re-send on: a thread blocked in a collective is released by the
+        # abort, and a signal arriving inside torch's wait can turn the
+        # exception into a SystemError.
+        resend = max(self.interval, 0.005)
+        while not self._stop_event.wait(resend):
+            with self.lock:
+                if self._armed is not armed or armed.acked:
+                    return
+                async_raise(self.target_thread_id, RankShouldRestart)
+                self.interrupt.send(self.target_thread_id)

@@ -1,0 +1,168 @@
+"""Progress watchdog: proves that the main thread still runs Python bytecode.
+
+Automatic heartbeats use ``Py_AddPendingCall``: a pending call runs only when
+the main thread's evaluation loop runs, so it stops running as soon as the main
+thread is stuck in C code, whether or not that code holds the GIL. The watchdog
+queues one call, checks at its next tick whether it ran, and queues the next:
+progress is known to within one ``progress_watchdog_interval``. At most one
+call is queued at a time (CPython's queue holds 32).
+
+Manual heartbeats come from :meth:`inprocess.CallWrapper.ping`; their timeout
+starts at the first ping of an iteration.
+
+Both timestamps are published in a small shared-memory board that the monitor
+process reads to enforce the hard timeout.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import os
+import struct
+import threading
+import time
+
+log = logging.getLogger(__name__)
+
+# The pending call is libc's sem_post on a semaphore that lives as long as the
+# interpreter: it runs no Python code, so it can neither be interrupted by the
+# asynchronous restart exception nor swallow it (a Python callback would: the
+# exception would land inside it and be lost), and it may safely run after the
+# watchdog that queued it has stopped.
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.sem_init.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint]
+_libc.sem_trywait.argtypes = [ctypes.c_void_p]
+_SEMAPHORE = ctypes.create_string_buffer(64)  # sizeof(sem_t) is 32 on 64-bit glibc
+if _libc.sem_init(_SEMAPHORE, 0, 0) != 0:
+    raise OSError(ctypes.get_errno(), "sem_init failed")
+_SEM_POST = ctypes.cast(_libc.sem_post, ctypes.c_void_p)
+_add_pending_call = ctypes.pythonapi.Py_AddPendingCall
+_add_pending_call.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+_add_pending_call.restype = ctypes.c_int
+
+
+def _pending_call_ran() -> bool:
+    """Consumes one run of the queued pending call, if it ran."""
+    return _libc.sem_trywait(_SEMAPHORE) == 0
+
+
+class ProgressBoard:
+    """Shared memory between a rank and its monitor process (``CLOCK_MONOTONIC`` times).
+
+    Layout (little endian): auto timestamp (double), manual timestamp (double),
+    manual active (int64), iteration (int64), finished flag (int64). Every field is
+    an aligned 8-byte word written with a single store, so a reader never sees a
+    torn value.
+    """
+
+    _FORMAT = "<ddqqq"
+    SIZE = struct.calcsize(_FORMAT)
+
+    def __init__(self, fd: int | None = None) -> None:
+        if fd is None:
+            fd = os.memfd_create("inprocess-progress", 0)
+            os.ftruncate(fd, self.SIZE)
+            now = time.monotonic()
+            self.fd = fd
+            self._map = mmap.mmap(fd, self.SIZE)
+            struct.pack_into(self._FORMAT, self._map, 0, now, now, 0, 0, 0)
+        else:
+            self.fd = fd
+            self._map = mmap.mmap(fd, self.SIZE)
+
+    def write_auto(self, ts: float) -> None:
+        struct.pack_into("<d", self._map, 0, ts)
+
+    def write_manual(self, ts: float, active: bool) -> None:
+        struct.pack_into("<d", self._map, 8, ts)
+        struct.pack_into("<q", self._map, 16, int(active))
+
+    def write_iteration(self, iteration: int) -> None:
+        struct.pack_into("<q", self._map, 24, iteration)
+
+    def write_finished(self) -> None:
+        struct.pack_into("<q", self._map, 32, 1)
+
+    def read(self) -> tuple[float, float, bool, int, bool]:
+        auto, manual, active, iteration, finished = struct.unpack_from(self._FORMAT, self._map, 0)
+        return auto, manual, bool(active), iteration, bool(finished)
+
+    def last_progress(self) -> float:
+        """The older of the relevant timestamps: progress is only as fresh as both."""
+        auto, manual, active, _, _ = self.read()
+        return min(auto, manual) if active else auto
+
+    def close(self) -> None:
+        self._map.close()
+        os.close(self.fd)
+
+
+class ProgressWatchdog(threading.Thread):
+    """Issues automatic heartbeats and collects manual ones for one Wrapper call."""
+
+    def __init__(self, interval: float, board: ProgressBoard, automatic: bool = True) -> None:
+        super().__init__(name="inprocess-progress-watchdog", daemon=True)
+        self.interval = interval
+        self.board = board
+        self.automatic = automatic
+        now = time.monotonic()
+        self._auto = now
+        self._manual = now
+        self._manual_active = False
+        self._call_pending = False
+        self._stop_event = threading.Event()
+        if not automatic:
+            log.warning(
+                "the wrapped function does not run on the main thread: automatic "
+                "progress heartbeats are off, only CallWrapper.ping() reports progress"
+            )
+
+    def ping(self) -> None:
+        """Manual heartbeat; the first one of an iteration starts the manual timeout."""
+        now = time.monotonic()
+        self._manual = now
+        self._manual_active = True
+        self.board.write_manual(now, True)
+
+    def reset(self, iteration: int) -> None:
+        """Starts a new iteration: progress is fresh, the manual timeout is off."""
+        now = time.monotonic()
+        self._auto = now
+        self._manual = now
+        self._manual_active = False
+        self.board.write_iteration(iteration)
+        self.board.write_auto(now)
+        self.board.write_manual(now, False)
+
+    def pause_manual(self) -> None:
+        """Leaves the wrapped function: only automatic heartbeats count."""
+        self._manual_active = False
+        self.board.write_manual(time.monotonic(), False)
+
+    def stalled_for(self) -> float:
+        """Seconds since the least recent relevant heartbeat."""
+        now = time.monotonic()
+        stalled = now - self._auto if self.automatic else 0.0
+        if self._manual_active:
+            stalled = max(stalled, now - self._manual)
+        return stalled
+
+    def run(self) -> None:
+        while not self._stop_event.wait(self.interval):
+            if not self.automatic:
+                self.board.write_auto(time.monotonic())
+                continue
+            if self._call_pending and _pending_call_ran():
+                # It ran at most one interval ago: the main thread runs bytecode.
+                self._auto = time.monotonic()
+                self._call_pending = False
+            if not self._call_pending:
+                self._call_pending = _add_pending_call(_SEM_POST, _SEMAPHORE) == 0
+            self.board.write_auto(self._auto)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop_event.set()
+        if self.is_alive():
+            self.join(timeout)

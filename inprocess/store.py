@@ -1,0 +1,486 @@
+"""The distributed store protocol of the Wrapper.
+
+Every rank (and every rank's monitor process) talks to one key-value store. This
+module defines the protocol on top of any ``torch.distributed.Store``:
+
+Identities
+    A rank is identified by ``"<initial rank>/<token>"`` where the token is
+    unique to the process. A relaunched process that rejoins a job therefore has
+    a new identity, and a terminated identity can never reappear.
+
+Faults
+    ``faults`` is one global counter. Anything that requires a restart (an
+    exception, a timeout, a dead rank, a rank asking to join) increments it. An
+    iteration records the value of the counter when it was decided (its
+    *baseline*); the iteration is faulted once the counter exceeds it. Monitor
+    threads poll the counter with a single ``add(key, 0)`` per interval.
+
+Outcome
+    ``iter/<k>/outcome`` is written once with ``compare_set``: ``"completed"`` by
+    the last rank arriving at the completion barrier, ``"fault"`` by whoever first
+    acts on a fault. Whichever wins decides the iteration for everybody; a fault
+    recorded after completion is ignored.
+
+Terminated ranks
+    ``terminated`` is an append-only list of identities. Marking a rank terminated
+    appends it *before* incrementing ``faults``; deciders read ``faults`` *before*
+    ``terminated``. So a death is either part of a decision's terminated set or
+    raises the counter above that decision's baseline, never neither.
+
+Rendezvous
+    A rendezvous completes when every participant has either arrived or been
+    terminated. Whoever notices completion (the last arrival, or a waiter that saw
+    a termination) computes the decision and publishes it with ``compare_set``, so
+    all ranks read the same decision. Waits are polled in short chunks so the
+    caller's thread keeps running Python (progress watchdog) and can receive the
+    asynchronous restart exception.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch.distributed as dist
+
+from .exception import StoreError
+from .exception import TimeoutError as RestartTimeoutError
+
+log = logging.getLogger(__name__)
+
+#: environment variable naming a store hosted outside the workers (torchrun's convention)
+AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
+#: environment variable with the key namespace of this job (set by ``inprocess-run``)
+NAMESPACE_ENV = "INPROCESS_STORE_NAMESPACE"
+
+_SEP = ","
+
+
+def new_identity(initial_rank: int) -> str:
+    """A process-unique identity for ``initial_rank``."""
+    return f"{initial_rank}/{uuid.uuid4().hex[:12]}"
+
+
+def initial_rank_of(identity: str) -> int:
+    """The initial rank encoded in an identity."""
+    return int(identity.split("/", 1)[0])
+
+
+class BarrierTimeout(RestartTimeoutError):
+    """A rendezvous did not complete within its timeout."""
+
+
+class BarrierOverflow(StoreError):
+    """More ranks arrived at a rendezvous than it has participants."""
+
+
+def _to_str(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _split(value: bytes | str) -> list[str]:
+    text = _to_str(value)
+    return [item for item in text.split(_SEP) if item]
+
+
+class Poller:
+    """Sleeps between polls, backing off from ``start`` to ``limit`` seconds."""
+
+    def __init__(self, limit: float, start: float = 0.0005) -> None:
+        self.limit = max(limit, start)
+        self.delay = min(start, self.limit)
+
+    def sleep(self, deadline: float | None = None) -> None:
+        delay = self.delay
+        if deadline is not None:
+            delay = min(delay, max(0.0, deadline - time.monotonic()))
+        time.sleep(delay)
+        self.delay = min(self.delay * 1.5, self.limit)
+
+
+class StoreMixin:
+    """Adds the Wrapper's protocol to a ``torch.distributed.Store`` subclass.
+
+    Subclasses must also derive from a ``torch.distributed.Store`` (see
+    :class:`TCPStore`, :class:`FileStore`, :class:`PrefixStore`). Only the store
+    primitives ``set``, ``get``, ``add``, ``compare_set``, ``append``, ``check``
+    and ``multi_get`` are used.
+    """
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def client(cls, **kwargs: Any) -> StoreMixin:
+        """A store connected to the same data that never hosts it.
+
+        Used by the monitor process, which must not start a second server. The
+        default constructs the store with the same arguments.
+        """
+        return cls(**kwargs)
+
+    # ------------------------------------------------------------------ primitives
+
+    def get_or(self, key: str, default: str = "") -> str:
+        """Value of ``key``, or ``default`` when absent, without blocking."""
+        if not self.check([key]):
+            return default
+        return _to_str(self.get(key))
+
+    def set_once(self, key: str, value: str) -> tuple[bool, str]:
+        """Sets ``key`` to a non-empty ``value`` unless present.
+
+        Returns ``(won, current)``: whether this call set it, and the value now
+        stored. ``value`` must be unique to the caller for ``won`` to be exact.
+        """
+        if not value:
+            raise ValueError("set_once needs a non-empty value")
+        current = _to_str(self.compare_set(key, "", value))
+        return current == value, current
+
+    def counter(self, key: str) -> int:
+        return int(self.add(key, 0))
+
+    # ------------------------------------------------------------------ faults
+
+    def fault_count(self) -> int:
+        """Number of faults recorded in the job so far."""
+        return self.counter("faults")
+
+    def record_fault(self, identity: str, reason: str) -> int:
+        """Records a fault attributed to ``identity``; returns the new count."""
+        entry = json.dumps({"rank": identity, "reason": reason[:500], "time": time.time()})
+        self.append("fault_log", entry + "\n")
+        return int(self.add("faults", 1))
+
+    def fault_log(self) -> list[dict[str, Any]]:
+        text = self.get_or("fault_log")
+        return [json.loads(line) for line in text.splitlines() if line]
+
+    # ------------------------------------------------------------------ terminated / left ranks
+
+    def mark_terminated(self, identity: str, reason: str) -> bool:
+        """Records that ``identity`` left the job for good; returns whether this call did.
+
+        Idempotent: several observers (the rank itself, its monitor process, a
+        heartbeat watcher) may report the same rank; it is recorded once.
+        """
+        won, _ = self.set_once(f"terminated/{identity}", uuid.uuid4().hex)
+        if won:
+            # Order matters, see the module docstring: list first, counter second.
+            self.append("terminated", identity + _SEP)
+            self.add("terminated_epoch", 1)
+            self.record_fault(identity, f"terminated: {reason}")
+        return won
+
+    def terminated(self) -> set[str]:
+        return set(_split(self.get_or("terminated")))
+
+    def terminated_epoch(self) -> int:
+        return self.counter("terminated_epoch")
+
+    def is_terminated(self, identity: str) -> bool:
+        return bool(self.check([f"terminated/{identity}"]))
+
+    def mark_left(self, identity: str) -> None:
+        """Records a clean departure (a discarded rank); not a fault."""
+        self.set(f"left/{identity}", "1")
+        self.append("left", identity + _SEP)
+
+    def left(self) -> set[str]:
+        return set(_split(self.get_or("left")))
+
+    # ------------------------------------------------------------------ joins
+
+    def request_join(self, identity: str) -> None:
+        """A new process asks to join a running job at its next restart."""
+        self.append("join_requests", identity + _SEP)
+        self.record_fault(identity, "join request")
+
+    def join_requests(self) -> list[str]:
+        seen: dict[str, None] = {}
+        for identity in _split(self.get_or("join_requests")):
+            seen.setdefault(identity)
+        return list(seen)
+
+    # ------------------------------------------------------------------ heartbeats
+
+    def send_heartbeat(self, identity: str) -> int:
+        return int(self.add(f"heartbeat/{identity}", 1))
+
+    def heartbeats(self, identities: Sequence[str]) -> list[int]:
+        if not identities:
+            return []
+        keys = [f"heartbeat/{identity}" for identity in identities]
+        present = [self.check([key]) for key in keys]
+        values = self.multi_get([k for k, p in zip(keys, present, strict=True) if p])
+        it = iter(values)
+        return [int(_to_str(next(it))) if p else 0 for p in present]
+
+    # ------------------------------------------------------------------ membership
+
+    def publish_membership(self, iteration: int, members: Sequence[str]) -> None:
+        """Makes the latest decided membership visible to monitors and joiners."""
+        self.set("membership", json.dumps({"iteration": iteration, "members": list(members)}))
+
+    def membership(self) -> tuple[int, list[str]] | None:
+        text = self.get_or("membership")
+        if not text:
+            return None
+        data = json.loads(text)
+        return int(data["iteration"]), list(data["members"])
+
+    # ------------------------------------------------------------------ outcome
+
+    def outcome(self, iteration: int) -> str:
+        return self.get_or(f"iter/{iteration}/outcome")
+
+    def decide_outcome(self, iteration: int, outcome: str) -> str:
+        """Proposes ``"completed"`` or ``"fault"`` for ``iteration``; returns what stands."""
+        return _to_str(self.compare_set(f"iter/{iteration}/outcome", "", outcome))
+
+    def mark_completed(self, identity: str, iteration: int) -> None:
+        """Records that ``identity`` finished the job, so its exit is not a fault."""
+        self.set(f"completed/{identity}", str(iteration))
+
+    def has_completed(self, identity: str) -> bool:
+        return bool(self.check([f"completed/{identity}"]))
+
+    # ------------------------------------------------------------------ rendezvous
+
+    def rendezvous(
+        self,
+        name: str,
+        identity: str,
+        participants: Sequence[str],
+        value: str,
+        timeout: datetime.timedelta,
+        decide: Callable[[dict[str, str], set[str], int], str],
+        poll_limit: float,
+        on_wait: Callable[[], None] | None = None,
+    ) -> str:
+        """Arrives at rendezvous ``name`` with ``value`` and returns its decision.
+
+        The rendezvous completes when each of ``participants`` has arrived or is
+        terminated. The rank that notices calls ``decide(arrivals, terminated,
+        fault_baseline)`` with the values of the arrived participants, the
+        terminated participants (arrived or not) and the fault count read before
+        them; its result is published once and returned to everyone. ``on_wait``
+        runs between polls.
+        """
+        members = list(participants)
+        if identity not in members:
+            raise StoreError(f"{identity} is not a participant of rendezvous {name!r}")
+        if "\n" in value:
+            raise ValueError("rendezvous values must be single-line")
+        self._arrive(name, identity, value, len(members))
+        done_key = f"{name}/done"
+        deadline = time.monotonic() + timeout.total_seconds()
+        poller = Poller(poll_limit)
+        seen_epoch = -1
+        while True:
+            if self.check([done_key]):
+                return _to_str(self.get(done_key))
+            complete = self.counter(f"{name}/count") >= len(members)
+            if not complete:
+                epoch = self.terminated_epoch()
+                if epoch != seen_epoch:
+                    seen_epoch = epoch
+                    complete = self._complete_with_terminated(name, members)
+            if complete:
+                decision = self._decide(name, members, decide)
+                return _to_str(self.compare_set(done_key, "", decision))
+            if time.monotonic() >= deadline:
+                raise BarrierTimeout(
+                    f"rendezvous {name!r} timed out after {timeout.total_seconds():.3g}s "
+                    f"({self.counter(f'{name}/count')}/{len(members)} arrived)"
+                )
+            if on_wait is not None:
+                on_wait()
+            poller.sleep(deadline)
+
+    def _arrive(self, name: str, identity: str, value: str, size: int) -> None:
+        # set_once makes arrival idempotent (a rank and an observer acting for it
+        # count once). The value is appended before the counter is raised, so a
+        # decider that sees the full count also sees every value.
+        won, _ = self.set_once(f"{name}/arrived/{identity}", uuid.uuid4().hex)
+        if won:
+            self.append(f"{name}/arrivals", f"{identity}={value}\n")
+            count = int(self.add(f"{name}/count", 1))
+            if count > size:
+                raise BarrierOverflow(f"rendezvous {name!r}: {count} arrivals for {size}")
+
+    def _arrivals(self, name: str) -> dict[str, str]:
+        arrivals: dict[str, str] = {}
+        for line in self.get_or(f"{name}/arrivals").splitlines():
+            identity, _, value = line.partition("=")
+            arrivals.setdefault(identity, value)
+        return arrivals
+
+    def _complete_with_terminated(self, name: str, members: Sequence[str]) -> bool:
+        dead = self.terminated().intersection(members)
+        if not dead:
+            return False
+        missing = dead.difference(self._arrivals(name))
+        return self.counter(f"{name}/count") + len(missing) >= len(members)
+
+    def _decide(
+        self,
+        name: str,
+        members: Sequence[str],
+        decide: Callable[[dict[str, str], set[str], int], str],
+    ) -> str:
+        # Read order is the protocol's invariant: faults, then terminated.
+        baseline = self.fault_count()
+        terminated = self.terminated().intersection(members)
+        arrivals = self._arrivals(name)
+        arrivals = {i: arrivals[i] for i in members if i in arrivals}
+        return decide(arrivals, terminated, baseline)
+
+    def counted_barrier(
+        self,
+        name: str,
+        identity: str,
+        count: int,
+        timeout: datetime.timedelta,
+        poll_limit: float,
+        on_wait: Callable[[], None] | None = None,
+    ) -> list[str]:
+        """A barrier of ``count`` ranks whose identities are not known in advance.
+
+        Returns the identities of the arrived ranks in arrival order. Used once,
+        for the initial barrier of a call.
+        """
+        done_key = f"{name}/done"
+        self.append(f"{name}/arrivals", identity + _SEP)
+        arrived = int(self.add(f"{name}/count", 1))
+        if arrived > count:
+            raise BarrierOverflow(f"barrier {name!r}: {arrived} arrivals for {count}")
+        if arrived == count:
+            self.set(done_key, self.get(f"{name}/arrivals"))
+        deadline = time.monotonic() + timeout.total_seconds()
+        poller = Poller(poll_limit)
+        while not self.check([done_key]):
+            if time.monotonic() >= deadline:
+                raise BarrierTimeout(
+                    f"barrier {name!r} timed out after {timeout.total_seconds():.3g}s "
+                    f"({self.counter(f'{name}/count')}/{count} arrived)"
+                )
+            if on_wait is not None:
+                on_wait()
+            poller.sleep(deadline)
+        return _split(self.get(done_key))
+
+    def wait_for_key(
+        self,
+        key: str,
+        timeout: datetime.timedelta,
+        poll_limit: float,
+        on_wait: Callable[[], None] | None = None,
+    ) -> str:
+        """Polls until ``key`` exists and returns its value."""
+        deadline = time.monotonic() + timeout.total_seconds()
+        poller = Poller(poll_limit)
+        while not self.check([key]):
+            if time.monotonic() >= deadline:
+                raise RestartTimeoutError(
+                    f"key {key!r} did not appear within {timeout.total_seconds():.3g}s"
+                )
+            if on_wait is not None:
+                on_wait()
+            poller.sleep(deadline)
+        return _to_str(self.get(key))
+
+
+def _env(name: str) -> str | None:
+    value = os.environ.get(name)
+    return value if value else None
+
+
+def externally_hosted() -> bool:
+    """Whether the store at ``MASTER_ADDR:MASTER_PORT`` is hosted outside the workers."""
+    return os.environ.get(AGENT_STORE_ENV) == str(True)
+
+
+class TCPStore(dist.TCPStore, StoreMixin):
+    """``torch.distributed.TCPStore`` with the Wrapper protocol.
+
+    Defaults come from the environment: ``MASTER_ADDR``, ``MASTER_PORT``. The
+    server is hosted by initial rank 0 unless ``TORCHELASTIC_USE_AGENT_STORE=True``
+    says that a launcher hosts it (as ``inprocess-run`` does). A port that is
+    already taken by another process is an error, never a silent fallback to a
+    client of whatever listens there.
+    """
+
+    def __init__(
+        self,
+        host_name: str | None = None,
+        port: int | None = None,
+        world_size: int | None = None,
+        timeout: datetime.timedelta = datetime.timedelta(seconds=300),
+        wait_for_workers: bool = False,
+        multi_tenant: bool = True,
+        use_libuv: bool = True,
+        is_master: bool | None = None,
+    ) -> None:
+        host_name = host_name if host_name is not None else _env("MASTER_ADDR")
+        if host_name is None:
+            raise StoreError("TCPStore needs host_name or the MASTER_ADDR environment variable")
+        if port is None:
+            env_port = _env("MASTER_PORT")
+            if env_port is None:
+                raise StoreError("TCPStore needs port or the MASTER_PORT environment variable")
+            port = int(env_port)
+        if not 0 < int(port) < 65536:
+            raise ValueError(f"port must be in [1, 65535], got {port}")
+        if is_master is None:
+            is_master = not externally_hosted() and int(os.environ.get("RANK", "0")) == 0
+        try:
+            super().__init__(
+                host_name=host_name,
+                port=int(port),
+                world_size=world_size,
+                is_master=is_master,
+                timeout=timeout,
+                wait_for_workers=wait_for_workers,
+                multi_tenant=multi_tenant,
+                use_libuv=use_libuv,
+            )
+        except RuntimeError as ex:
+            if is_master and "EADDRINUSE" in str(ex):
+                raise StoreError(
+                    f"cannot host the store on port {port}: the port is already in use by "
+                    "another process; choose a free MASTER_PORT (or store_kwargs['port'])"
+                ) from ex
+            role = "host" if is_master else "connect to"
+            raise StoreError(f"cannot {role} the store at {host_name}:{port}: {ex}") from ex
+        self.host_name = host_name
+        self.is_master = is_master
+
+    @classmethod
+    def client(cls, **kwargs: Any) -> TCPStore:
+        kwargs = dict(kwargs)
+        kwargs["is_master"] = False
+        return cls(**kwargs)
+
+
+class FileStore(dist.FileStore, StoreMixin):
+    """``torch.distributed.FileStore`` with the Wrapper protocol (single host jobs)."""
+
+    def __init__(self, file_name: str, world_size: int = -1) -> None:
+        self.file_name = file_name
+        super().__init__(file_name, world_size)
+
+
+class PrefixStore(dist.PrefixStore, StoreMixin):
+    """``torch.distributed.PrefixStore`` with the Wrapper protocol."""
+
+    def __init__(self, prefix: str | int, store: dist.Store) -> None:
+        self.prefix = str(prefix)
+        self.base_store = store
+        super().__init__(str(prefix), store)

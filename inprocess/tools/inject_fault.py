@@ -1,0 +1,189 @@
+"""Fault injection for testing fault tolerance.
+
+Every rank calls :func:`inject_fault` with the same arguments (in particular
+the same ``seed``), so all ranks agree on which ranks are hit; on those, a
+background thread injects the fault after ``delay`` seconds.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import logging
+import os
+import random
+import signal
+import threading
+from collections.abc import Callable, Iterable
+
+from ..monitor_thread import async_raise
+
+log = logging.getLogger(__name__)
+
+
+class InjectedFault(RuntimeError):
+    """The exception raised in the main thread by ``ASYNC_EXC`` and ``SIGNAL_EXC``."""
+
+
+class Fault(enum.Enum):
+    """Kinds of faults."""
+
+    #: corrupts the CUDA context (an illegal memory access); needs a GPU
+    GPU = enum.auto()
+    #: a long GPU kernel: the main thread hangs in a CUDA synchronization; needs a GPU
+    GPU_SLEEP = enum.auto()
+    #: an exception raised asynchronously in the main thread
+    ASYNC_EXC = enum.auto()
+    #: a signal whose handler raises an exception in the main thread
+    SIGNAL_EXC = enum.auto()
+    #: ``os.abort()``: the process dies of SIGABRT
+    ABORT = enum.auto()
+    #: a thread that holds the GIL forever: the whole interpreter hangs
+    GIL = enum.auto()
+    #: a segmentation fault
+    SEGFAULT = enum.auto()
+    #: SIGINT: ``KeyboardInterrupt`` in the main thread
+    INT = enum.auto()
+    #: SIGKILL
+    KILL = enum.auto()
+    #: SIGTERM
+    TERM = enum.auto()
+    #: SIGSTOP: the process is frozen
+    STOP = enum.auto()
+
+
+GPU_FAULTS = frozenset({Fault.GPU, Fault.GPU_SLEEP})
+
+_SIGNAL_EXC_SIGNAL = signal.SIGUSR1
+
+
+class FaultInjector(threading.Timer):
+    """The background thread of one injected fault; ``cancel()`` before it fires."""
+
+    def __init__(
+        self, fault: Fault, delay: float, callback: Callable[[Fault], None] | None
+    ) -> None:
+        super().__init__(delay, self._fire)
+        self.name = f"inprocess-inject-{fault.name}"
+        self.daemon = True
+        self.fault = fault
+        self.callback = callback
+        self.main_thread_id = threading.main_thread().ident
+
+    def _fire(self) -> None:
+        log.warning("injecting %s into rank %s", self.fault.name, os.environ.get("RANK"))
+        if self.callback is not None:
+            self.callback(self.fault)
+        _inject(self.fault, self.main_thread_id)
+
+
+def _raise_injected(signum: int, frame: object) -> None:
+    raise InjectedFault(f"injected by signal {signum}")
+
+
+def _inject(fault: Fault, main_thread_id: int | None) -> None:
+    pid = os.getpid()
+    if fault == Fault.ASYNC_EXC:
+        assert main_thread_id is not None
+        async_raise(main_thread_id, InjectedFault)
+    elif fault == Fault.SIGNAL_EXC:
+        os.kill(pid, _SIGNAL_EXC_SIGNAL)
+    elif fault == Fault.ABORT:
+        os.abort()
+    elif fault == Fault.GIL:
+        # PyDLL keeps the GIL during the call: nothing else in Python runs.
+        ctypes.PyDLL(None).sleep(1 << 30)
+    elif fault == Fault.SEGFAULT:
+        ctypes.string_at(0)
+    elif fault == Fault.INT:
+        os.kill(pid, signal.SIGINT)
+    elif fault == Fault.KILL:
+        os.kill(pid, signal.SIGKILL)
+    elif fault == Fault.TERM:
+        os.kill(pid, signal.SIGTERM)
+    elif fault == Fault.STOP:
+        os.kill(pid, signal.SIGSTOP)
+    elif fault == Fault.GPU:
+        import torch
+
+        # An out-of-bounds index on the device: the kernel faults and the
+        # CUDA context is corrupted.
+        x = torch.zeros(1, device="cuda")
+        x[torch.tensor([1 << 40], device="cuda")] = 1
+        torch.cuda.synchronize()
+    elif fault == Fault.GPU_SLEEP:
+        import torch
+
+        torch.cuda._sleep(1 << 62)
+        torch.cuda.synchronize()
+    else:  # pragma: no cover - enum is exhaustive
+        raise ValueError(f"unknown fault {fault!r}")
+
+
+def _env_int(name: str) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        raise RuntimeError(f"inject_fault needs the {name} environment variable")
+    return int(value)
+
+
+def inject_fault(
+    faults: Iterable[Fault],
+    num_faults: int,
+    keep_alive: int,
+    delay: float,
+    seed: int,
+    callback: Callable[[Fault], None] | None = None,
+) -> FaultInjector | None:
+    """Schedules a fault on ``num_faults`` random ranks.
+
+    Args:
+        faults: the kinds to choose from (one is drawn per hit rank).
+        num_faults: how many ranks are hit.
+        keep_alive: the ``keep_alive`` lowest ranks are never hit.
+        delay: seconds before the fault is injected.
+        seed: seed of the draw; must be the same on every rank.
+        callback: called with the fault in the injecting thread, just before it.
+
+    Returns:
+        On a hit rank, the started :class:`FaultInjector` (cancel it to call the
+        fault off); elsewhere ``None``. Ranks come from ``RANK``/``WORLD_SIZE``.
+    """
+    faults = list(faults)
+    if not faults:
+        raise ValueError("inject_fault(faults=...) must name at least one Fault")
+    for fault in faults:
+        if not isinstance(fault, Fault):
+            raise TypeError(f"inject_fault(faults=...) must contain Fault members, got {fault!r}")
+    for name, value in (("num_faults", num_faults), ("keep_alive", keep_alive), ("seed", seed)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"inject_fault({name}=...) must be an int, got {value!r}")
+    if num_faults < 0 or keep_alive < 0:
+        raise ValueError("inject_fault(num_faults=..., keep_alive=...) must be >= 0")
+    if not isinstance(delay, (int, float)) or delay < 0:
+        raise ValueError(f"inject_fault(delay=...) must be a number >= 0, got {delay!r}")
+    gpu = GPU_FAULTS.intersection(faults)
+    if gpu:
+        import torch
+
+        if not torch.cuda.is_available():
+            names = ", ".join(sorted(f.name for f in gpu))
+            raise RuntimeError(f"inject_fault: {names} need a CUDA device, and none is available")
+
+    rank, world_size = _env_int("RANK"), _env_int("WORLD_SIZE")
+    rng = random.Random(seed)
+    candidates = list(range(keep_alive, world_size))
+    victims = rng.sample(candidates, min(num_faults, len(candidates)))
+    drawn = {victim: rng.choice(faults) for victim in victims}
+    if rank not in drawn:
+        return None
+    fault = drawn[rank]
+    if fault == Fault.SIGNAL_EXC:
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("inject_fault: SIGNAL_EXC must be set up from the main thread")
+        signal.signal(_SIGNAL_EXC_SIGNAL, _raise_injected)
+    injector = FaultInjector(fault, float(delay), callback)
+    injector.start()
+    log.info("rank %d will get %s in %.3gs", rank, fault.name, delay)
+    return injector
+

@@ -1,0 +1,901 @@
+"""``Wrapper`` and ``CallWrapper``: the in-process restart loop.
+
+The loop of one call, as in the seed::
+
+    store = store_factory(**store_kwargs)
+    initial_barrier()
+    while True:
+        rank_assignment(); rank_filter(); iteration_barrier()
+        try:
+            initialize(); health_check()
+            fn() if active else wait_as_spare()
+            completion_barrier()
+        except:
+            abort(); finalize(); health_check(); termination_barrier()
+        else:
+            return
+
+The distributed protocol (barriers, faults, terminated ranks) lives in
+:mod:`inprocess.store`; interrupting the function lives in
+:mod:`inprocess.monitor_thread`; the hard timeout and dead-rank detection live in
+:mod:`inprocess.monitor_process`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import functools
+import inspect
+import itertools
+import json
+import logging
+import os
+import pathlib
+import pickle
+import re
+import threading
+import time
+import types
+import typing
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from . import monitor_thread as _mt
+from .abort import Abort, AbortTorchDistributed
+from .exception import InternalError
+from .finalize import Finalize
+from .health_check import HealthCheck
+from .initialize import Initialize
+from .monitor_process import MonitorConfig, MonitorProcess
+from .monitor_thread import InterruptSignal, MonitorThread, RankShouldRestart
+from .progress_watchdog import ProgressBoard, ProgressWatchdog
+from .rank_assignment import RankAssignment, RankDiscarded, ShiftRanks
+from .rank_filter import RankFilter
+from .state import Mode, State
+from .store import (
+    NAMESPACE_ENV,
+    PrefixStore,
+    StoreMixin,
+    TCPStore,
+    initial_rank_of,
+    new_identity,
+)
+from .user_rendezvous import fresh_env_rendezvous
+
+log = logging.getLogger(__name__)
+
+_UNSET: Any = object()
+_call_counter = itertools.count()
+
+# The poll interval of barriers inside the restart procedure: short waits that
+# everybody is blocked on, so they poll fast (backing off up to this).
+_RESTART_POLL_LIMIT = 0.02
+
+
+def _check_type(name: str, value: Any, types_: tuple[type, ...] | type, allowed: str) -> None:
+    if not isinstance(value, types_):
+        raise TypeError(f"Wrapper({name}=...) must be {allowed}, got {value!r}")
+
+
+class Wrapper:
+    """Restarts the wrapped function in-process on every healthy rank after a fault.
+
+    Use as a decorator: ``@inprocess.Wrapper(...)`` on ``train()``. When any
+    rank raises, hangs or dies, every healthy rank aborts the distributed
+    backend, runs ``finalize`` and ``health_check``, reassigns ranks (dropping
+    lost ranks, activating spares) and calls ``train()`` again, in the same
+    process. Returns the function's return value on active ranks and ``None``
+    on inactive (spare) ranks.
+
+    The wrapped function must initialize ``torch.distributed`` itself on every
+    call (reading ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) and
+    let ``BaseException`` propagate. See the README for the full contract.
+
+    Args:
+        store_factory: class (a :class:`inprocess.store.StoreMixin`) of the internal store.
+        store_kwargs: keyword arguments of ``store_factory``.
+        initialize: runs at the start of every iteration (e.g. ``RetryController``).
+        abort: stops what the function is blocked in; default ``AbortTorchDistributed()``.
+        finalize: rank-local cleanup after a fault.
+        health_check: rank-local check after a fault; raising excludes the rank.
+        rank_assignment: computes the next ranks; default ``ShiftRanks()``.
+        rank_filter: selects the active ranks; the others are spares.
+        monitor_thread_interval: how often the store is polled for faults.
+        monitor_process_interval: how often the monitor process checks its rank.
+        progress_watchdog_interval: how often automatic heartbeats are issued.
+        soft_timeout: no progress for this long restarts the job in-process.
+        hard_timeout: no progress for this long terminates the rank's process.
+        heartbeat_timeout: a rank whose heartbeats stop for this long is terminated.
+        heartbeat_interval: how often the monitor process sends heartbeats
+            (default: ``monitor_process_interval``).
+        barrier_timeout: timeout of the restart procedure's barriers.
+        completion_timeout: how long finished ranks wait for the others.
+        last_call_wait: collects concurrent faults before interrupting.
+        termination_grace_time: time between SIGTERM and SIGKILL on a hard timeout.
+        monitor_process_logfile: absolute path of the monitor process's log file,
+            may contain ``{rank}`` (the initial rank).
+        enabled: ``False`` returns the function untouched.
+    """
+
+    def __init__(
+        self,
+        *,
+        store_factory: type[StoreMixin] = TCPStore,
+        store_kwargs: dict[str, Any] | None = None,
+        initialize: Initialize | None = None,
+        abort: Abort | None = _UNSET,
+        finalize: Finalize | None = None,
+        health_check: HealthCheck | None = None,
+        rank_assignment: RankAssignment = _UNSET,
+        rank_filter: RankFilter | None = None,
+        monitor_thread_interval: datetime.timedelta = datetime.timedelta(seconds=1),
+        monitor_process_interval: datetime.timedelta = datetime.timedelta(seconds=1),
+        progress_watchdog_interval: datetime.timedelta = datetime.timedelta(seconds=1),
+        soft_timeout: datetime.timedelta = datetime.timedelta(seconds=60),
+        hard_timeout: datetime.timedelta = datetime.timedelta(seconds=90),
+        heartbeat_timeout: datetime.timedelta = datetime.timedelta(seconds=30),
+        heartbeat_interval: datetime.timedelta | None = None,
+        barrier_timeout: datetime.timedelta = datetime.timedelta(seconds=120),
+        completion_timeout: datetime.timedelta = datetime.timedelta(seconds=120),
+        last_call_wait: datetime.timedelta = datetime.timedelta(seconds=1),
+        termination_grace_time: datetime.timedelta = datetime.timedelta(seconds=5),
+        monitor_process_logfile: str | None = None,
+        enabled: bool = True,
+    ) -> None:
+        if abort is _UNSET:
+            abort = AbortTorchDistributed()
+        if rank_assignment is _UNSET:
+            rank_assignment = ShiftRanks()
+        if heartbeat_interval is None:
+            heartbeat_interval = monitor_process_interval
+
+        if not (isinstance(store_factory, type) and issubclass(store_factory, StoreMixin)):
+            raise TypeError(
+                "Wrapper(store_factory=...) must be a subclass of inprocess.store.StoreMixin, "
+                f"got {store_factory!r}"
+            )
+        _check_type("store_kwargs", store_kwargs, (dict, type(None)), "a dict or None")
+        store_kwargs = dict(store_kwargs or {})
+        try:
+            pickle.dumps(store_kwargs)
+            pickle.dumps(store_factory)
+        except Exception as ex:
+            raise TypeError(
+                "Wrapper(store_factory=..., store_kwargs=...) must be picklable: the monitor "
+                f"process builds its own store client from them ({ex})"
+            ) from ex
+        _check_type("initialize", initialize, (Initialize, type(None)), "an Initialize or None")
+        _check_type("abort", abort, (Abort, type(None)), "an Abort or None")
+        _check_type("finalize", finalize, (Finalize, type(None)), "a Finalize or None")
+        _check_type(
+            "health_check", health_check, (HealthCheck, type(None)), "a HealthCheck or None"
+        )
+        _check_type("rank_assignment", rank_assignment, RankAssignment, "a RankAssignment")
+        _check_type("rank_filter", rank_filter, (RankFilter, type(None)), "a RankFilter or None")
+
+        durations = {
+            "monitor_thread_interval": monitor_thread_interval,
+            "monitor_process_interval": monitor_process_interval,
+            "progress_watchdog_interval": progress_watchdog_interval,
+            "soft_timeout": soft_timeout,
+            "hard_timeout": hard_timeout,
+            "heartbeat_timeout": heartbeat_timeout,
+            "heartbeat_interval": heartbeat_interval,
+            "barrier_timeout": barrier_timeout,
+            "completion_timeout": completion_timeout,
+            "last_call_wait": last_call_wait,
+            "termination_grace_time": termination_grace_time,
+        }
+        for name, value in durations.items():
+            _check_type(name, value, datetime.timedelta, "a datetime.timedelta")
+            may_be_zero = name in ("last_call_wait", "termination_grace_time")
+            if value.total_seconds() < 0 or (not may_be_zero and value.total_seconds() == 0):
+                bound = ">= 0" if may_be_zero else "> 0"
+                raise ValueError(f"Wrapper({name}=...) must be {bound}, got {value}")
+
+        def require_less(a: str, b: str) -> None:
+            if not durations[a] < durations[b]:
+                raise ValueError(
+                    f"Wrapper({a}=...) must be shorter than {b}: got {a}={durations[a]}, "
+                    f"{b}={durations[b]}"
+                )
+
+        require_less("soft_timeout", "hard_timeout")
+        require_less("hard_timeout", "barrier_timeout")
+        require_less("heartbeat_timeout", "barrier_timeout")
+        require_less("monitor_process_interval", "heartbeat_timeout")
+        require_less("heartbeat_interval", "heartbeat_timeout")
+        require_less("monitor_thread_interval", "soft_timeout")
+        require_less("progress_watchdog_interval", "soft_timeout")
+
+        _check_type(
+            "monitor_process_logfile", monitor_process_logfile, (str, type(None)), "a str or None"
+        )
+        if monitor_process_logfile is not None:
+            if not pathlib.Path(monitor_process_logfile).is_absolute():
+                raise ValueError(
+                    "Wrapper(monitor_process_logfile=...) must be an absolute path, "
+                    f"got {monitor_process_logfile!r}"
+                )
+            try:
+                monitor_process_logfile.format(rank=0)
+            except (KeyError, IndexError, ValueError) as ex:
+                raise ValueError(
+                    "Wrapper(monitor_process_logfile=...) may only contain the {rank} "
+                    f"placeholder, got {monitor_process_logfile!r}"
+                ) from ex
+        _check_type("enabled", enabled, bool, "a bool")
+
+        self.store_factory = store_factory
+        self.store_kwargs = store_kwargs
+        self.initialize = initialize
+        self.abort = abort
+        self.finalize = finalize
+        self.health_check = health_check
+        self.rank_assignment = rank_assignment
+        self.rank_filter = rank_filter
+        self.monitor_thread_interval = monitor_thread_interval
+        self.monitor_process_interval = monitor_process_interval
+        self.progress_watchdog_interval = progress_watchdog_interval
+        self.soft_timeout = soft_timeout
+        self.hard_timeout = hard_timeout
+        self.heartbeat_timeout = heartbeat_timeout
+        self.heartbeat_interval = heartbeat_interval
+        self.barrier_timeout = barrier_timeout
+        self.completion_timeout = completion_timeout
+        self.last_call_wait = last_call_wait
+        self.termination_grace_time = termination_grace_time
+        self.monitor_process_logfile = monitor_process_logfile
+        self.enabled = enabled
+
+    def __call__(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        if not self.enabled:
+            return fn
+        if not callable(fn):
+            raise TypeError(f"Wrapper can only wrap a callable, got {fn!r}")
+        injected = call_wrapper_parameters(fn)
+
+        @functools.wraps(fn)
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            call = CallWrapper(self)
+            for name in injected:
+                kwargs[name] = call
+            return call(fn, args, kwargs)
+
+        return wrapped
+
+
+# --------------------------------------------------------------------------- CallWrapper injection
+
+_ANNOTATION_PATTERNS = [
+    re.compile(r"^(?:[\w.]+\.)?CallWrapper$"),
+    re.compile(r"^(?:typing\.)?Optional\[(?:[\w.]+\.)?CallWrapper\]$"),
+    re.compile(r"^(?:[\w.]+\.)?CallWrapper\|None$"),
+    re.compile(r"^None\|(?:[\w.]+\.)?CallWrapper$"),
+    re.compile(r"^(?:typing\.)?Union\[(?:[\w.]+\.)?CallWrapper,None\]$"),
+    re.compile(r"^(?:typing\.)?Union\[None,(?:[\w.]+\.)?CallWrapper\]$"),
+]
+
+
+def _is_call_wrapper_annotation(annotation: Any) -> bool:
+    if annotation is inspect.Parameter.empty:
+        return False
+    if isinstance(annotation, str):
+        text = annotation.replace(" ", "").strip("'\"")
+        return any(p.match(text) for p in _ANNOTATION_PATTERNS)
+    if annotation is CallWrapper:
+        return True
+    origin = typing.get_origin(annotation)
+    if origin is typing.Union or origin is types.UnionType:
+        args = set(typing.get_args(annotation))
+        return args == {CallWrapper, type(None)}
+    return False
+
+
+def call_wrapper_parameters(fn: Callable[..., Any]) -> list[str]:
+    """Names of ``fn``'s parameters that receive the :class:`CallWrapper`."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return []
+    return [
+        name
+        for name, param in signature.parameters.items()
+        if param.kind not in (param.VAR_POSITIONAL, param.VAR_KEYWORD)
+        and _is_call_wrapper_annotation(param.annotation)
+    ]
+
+
+# --------------------------------------------------------------------------- the call
+
+
+class _RankLeaves(BaseException):
+    """Carries a failure that ends this rank out of the interruptible region."""
+
+    def __init__(self, original: BaseException) -> None:
+        super().__init__(original)
+        self.original = original
+
+
+@dataclasses.dataclass
+class _Iteration:
+    """What every rank agreed on at an iteration barrier."""
+
+    index: int
+    members: list[str]  # identities, in rank order
+    baseline: int  # fault count when the iteration was decided
+
+
+class CallWrapper:
+    """One call of a wrapped function: its restart loop, state and controls.
+
+    Passed to the wrapped function through any parameter annotated
+    ``CallWrapper`` (or ``Optional[CallWrapper]``, ``CallWrapper | None``).
+    """
+
+    def __init__(self, wrapper: Wrapper) -> None:
+        self.wrapper = wrapper
+        self.state = State()
+        self._lock = threading.RLock()
+        self._watchdog: ProgressWatchdog | None = None
+        self._monitor: MonitorThread | None = None
+
+    # ---------------------------------------------------------------- public controls
+
+    @property
+    def iteration(self) -> int:
+        """Index of the current restart iteration (0 for the first run)."""
+        return self.state.iteration
+
+    def ping(self) -> None:
+        """Reports progress; the first ping of an iteration starts the manual timeout."""
+        if self._watchdog is not None:
+            self._watchdog.ping()
+
+    @contextlib.contextmanager
+    def atomic(self) -> Iterator[None]:
+        """A block that the termination procedure never interrupts.
+
+        Shares a re-entrant lock with the monitor thread: a restart is not
+        started while the block runs, and the block is not entered once a
+        restart has started (``RankShouldRestart`` is raised instead).
+        """
+        with self._lock:
+            if self._monitor is not None and self._monitor.restart_in_progress:
+                raise RankShouldRestart("a restart is in progress")
+            yield
+
+    # ---------------------------------------------------------------- the loop
+
+    def __call__(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            raise ValueError(
+                "torch.distributed is already initialized: the wrapped function must "
+                "initialize it itself (it is aborted and initialized again on every restart)"
+            )
+        self.identity = new_identity(self.state.initial_rank)
+        with contextlib.ExitStack() as cleanup:
+            self._start(cleanup)
+            if self._joining():
+                previous = None
+                membership = self._join()
+                if membership is None:
+                    return None
+                prev_members, terminated, joiners, iteration = membership
+            else:
+                prev_members = self._initial_barrier()
+                previous, terminated, joiners, iteration = self.state.copy(), set(), [], 0
+
+            while True:
+                current = self._iteration_barrier(
+                    iteration, previous, prev_members, terminated, joiners
+                )
+                result = self._run_iteration(current, fn, args, kwargs)
+                if result.completed:
+                    self._finish(current)
+                    return result.value if self.state.mode == Mode.ACTIVE else None
+                previous = self.state.copy()
+                self._abort()
+                self._finalize(result.exception)
+                self._health_check(result.exception)
+                terminated, joiners = self._termination_barrier(current)
+                prev_members, iteration = current.members, current.index + 1
+
+    # ---------------------------------------------------------------- setup / teardown
+
+    def _start(self, cleanup: contextlib.ExitStack) -> None:
+        w = self.wrapper
+        seconds = _seconds(w)
+        self.namespace = (
+            f"inprocess/{os.environ.get(NAMESPACE_ENV) or 'default'}/call{next(_call_counter)}"
+        )
+        raw = w.store_factory(**w.store_kwargs)
+        cleanup.callback(self._wait_for_exit_if_hosting, raw)
+        self.store = PrefixStore(self.namespace, raw)
+
+        board = ProgressBoard()
+        cleanup.callback(board.close)
+        self._board = board
+        monitor = MonitorProcess(
+            MonitorConfig(
+                identity=self.identity,
+                initial_rank=self.state.initial_rank,
+                parent_pid=os.getpid(),
+                board_fd=-1,
+                control_fd=-1,
+                ready_fd=-1,
+                store_factory=w.store_factory,
+                store_kwargs=w.store_kwargs,
+                namespace=self.namespace,
+                interval=seconds["monitor_process_interval"],
+                heartbeat_interval=seconds["heartbeat_interval"],
+                heartbeat_timeout=seconds["heartbeat_timeout"],
+                hard_timeout=seconds["hard_timeout"],
+                termination_grace_time=seconds["termination_grace_time"],
+                logfile=w.monitor_process_logfile,
+                log_level=logging.getLogger("inprocess").getEffectiveLevel(),
+            ),
+            board,
+        )
+        monitor.start(timeout=seconds["barrier_timeout"])
+        cleanup.callback(monitor.shutdown)
+        self._monitor_process = monitor
+
+        on_main_thread = threading.current_thread() is threading.main_thread()
+        self._watchdog = ProgressWatchdog(
+            seconds["progress_watchdog_interval"], board, automatic=on_main_thread
+        )
+        self._watchdog.start()
+        cleanup.callback(self._watchdog.shutdown)
+
+        self._interrupt = InterruptSignal()
+        self._interrupt.install()
+        cleanup.callback(self._interrupt.uninstall)
+
+        self._monitor = MonitorThread(
+            store=self.store,
+            identity=self.identity,
+            target_thread_id=threading.get_ident(),
+            lock=self._lock,
+            interval=seconds["monitor_thread_interval"],
+            last_call_wait=seconds["last_call_wait"],
+            soft_timeout=seconds["soft_timeout"],
+            stalled_for=self._watchdog.stalled_for,
+            abort=w.abort,
+            interrupt=self._interrupt,
+        )
+        self._monitor.start()
+        cleanup.callback(self._monitor.shutdown)
+
+        unraisable = _mt.reraise_if_unraisable(RankShouldRestart)
+        cleanup.enter_context(unraisable)
+        cleanup.enter_context(
+            _restore_environment("RANK", "WORLD_SIZE", "TORCHELASTIC_USE_AGENT_STORE")
+        )
+        self._seconds = seconds
+
+    def _wait_for_exit_if_hosting(self, raw: Any) -> None:
+        """The rank hosting the store keeps it up until every rank has left."""
+        finished = getattr(self, "_finished_iteration", None)
+        if not getattr(raw, "is_master", False) or finished is None:
+            return
+        key = f"iter/{finished.index}/exit"
+        deadline = time.monotonic() + self._seconds["completion_timeout"]
+        while self.store.counter(key) < len(finished.members) and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+    # ---------------------------------------------------------------- barriers
+
+    def _initial_barrier(self) -> list[str]:
+        """All launched ranks meet; returns their identities ordered by initial rank."""
+        s = self.state
+        arrived = self.store.counted_barrier(
+            "initial",
+            self.identity,
+            s.initial_world_size,
+            _td(self._seconds["barrier_timeout"]),
+            _RESTART_POLL_LIMIT,
+        )
+        members = sorted(arrived, key=initial_rank_of)
+        ranks = [initial_rank_of(m) for m in members]
+        if ranks != list(range(s.initial_world_size)):
+            raise InternalError(
+                f"initial ranks {ranks} are not 0..{s.initial_world_size - 1}: "
+                "check RANK and WORLD_SIZE of every process"
+            )
+        return members
+
+    def _iteration_barrier(
+        self,
+        iteration: int,
+        previous: State | None,
+        prev_members: list[str],
+        terminated: set[str],
+        joiners: list[str],
+    ) -> _Iteration:
+        """Rank assignment, rank filter, then agreement on the new membership.
+
+        Survivors compute their new rank with the user's rank assignment and
+        meet the joiners at a rendezvous; if a participant dies before it
+        arrives, everyone recomputes without it (a new attempt).
+        """
+        w = self.wrapper
+        for attempt in itertools.count():
+            name = f"iter/{iteration}/barrier/{attempt}"
+            value, assigned = "join", self.state.copy()
+            if previous is not None:
+                value, assigned = self._assign_rank(previous, prev_members, terminated, name)
+            participants = [m for m in prev_members if m not in terminated] + joiners
+            decision = json.loads(
+                self.store.rendezvous(
+                    name,
+                    self.identity,
+                    participants,
+                    value,
+                    _td(self._seconds["barrier_timeout"]),
+                    functools.partial(_decide_membership, prev_members, joiners),
+                    _RESTART_POLL_LIMIT,
+                )
+            )
+            if "error" in decision:
+                raise InternalError(f"iteration {iteration}: {decision['error']}")
+            if "retry" in decision:
+                dead = set(decision["retry"])
+                terminated = terminated | dead
+                joiners = [j for j in joiners if j not in dead]
+                continue
+            members: list[str] = decision["members"]
+            if self.identity not in members:
+                self.store.mark_left(self.identity)
+                raise RankDiscarded(f"rank {self.identity} was discarded by the rank assignment")
+            self.state = s = assigned
+            s.store = self.store
+            s.iteration = iteration
+            s.rank = members.index(self.identity)
+            s.world_size = len(members)
+            s.activate_all()
+            if w.rank_filter is not None:
+                self.state = s = w.rank_filter(s)
+            s.apply_active_world_size()
+            if s.rank == 0:
+                self.store.publish_membership(iteration, members)
+            log.info(
+                "%s: iteration %d rank %d/%d (%s)",
+                self.identity,
+                iteration,
+                s.rank,
+                s.world_size,
+                s.mode.value,
+            )
+            return _Iteration(iteration, members, int(decision["baseline"]))
+        raise AssertionError("unreachable")
+
+    def _assign_rank(
+        self, previous: State, prev_members: list[str], terminated: set[str], name: str
+    ) -> tuple[str, State]:
+        """This rank's new state per the user's rank assignment, and its barrier value.
+
+        The value is the new rank, or ``discard`` when the assignment drops this rank.
+        """
+        state = previous.copy()
+        state.store = PrefixStore(f"{name}/assignment", self.store)
+        terminated_ranks = {prev_members.index(t) for t in terminated if t in prev_members}
+        try:
+            state, unhandled = self.wrapper.rank_assignment(state, terminated_ranks)
+        except RankDiscarded:
+            return "discard", previous
+        except Exception:
+            self._terminate_self("rank assignment failed")
+            raise
+        if unhandled:
+            self._terminate_self("rank assignment left terminated ranks unhandled")
+            raise InternalError(f"rank assignment left terminated ranks {unhandled} unhandled")
+        return str(state.rank), state
+
+    def _termination_barrier(self, current: _Iteration) -> tuple[set[str], list[str]]:
+        """Every member arrives or is terminated; returns who is out and who joins next."""
+        store = self.store
+
+        def decide(arrivals: dict[str, str], terminated: set[str], baseline: int) -> str:
+            gone = store.terminated() | store.left()
+            joiners = [
+                j for j in store.join_requests() if j not in current.members and j not in gone
+            ]
+            joiners.sort(key=lambda j: (initial_rank_of(j), j))
+            return json.dumps({"terminated": sorted(terminated), "joiners": joiners})
+
+        decision = json.loads(
+            store.rendezvous(
+                f"iter/{current.index}/termination",
+                self.identity,
+                current.members,
+                "",
+                _td(self._seconds["barrier_timeout"]),
+                decide,
+                _RESTART_POLL_LIMIT,
+            )
+        )
+        return set(decision["terminated"]), list(decision["joiners"])
+
+    def _completion_barrier(self, current: _Iteration) -> None:
+        """Waits until every member finished; a fault meanwhile raises ``RankShouldRestart``.
+
+        An active rank waits at most ``completion_timeout`` for the others. A
+        spare arrives at once and may wait as long as training lasts; its
+        deadline starts when the first active rank finishes.
+        """
+        store = self.store
+        key = f"iter/{current.index}/completion"
+        active = self.state.mode == Mode.ACTIVE
+        if active:
+            store.add(f"{key}/active", 1)
+        arrived = int(store.add(key, 1))
+        if arrived == len(current.members):
+            proposal = "fault" if store.fault_count() > current.baseline else "completed"
+            store.decide_outcome(current.index, proposal)
+        timeout = self._seconds["completion_timeout"]
+        deadline = time.monotonic() + timeout if active else None
+        poller = _poller(self._seconds["monitor_thread_interval"])
+        while True:
+            outcome = store.outcome(current.index)
+            if outcome == "completed":
+                return
+            if outcome == "fault":
+                raise _mt.exception_with_message(RankShouldRestart, "fault at completion")()
+            if deadline is None:
+                if store.counter(f"{key}/active") > 0:
+                    deadline = time.monotonic() + timeout
+            elif time.monotonic() >= deadline:
+                reason = f"completion timeout ({self._seconds['completion_timeout']:.3g}s)"
+                store.record_fault(self.identity, reason)
+                raise _mt.exception_with_message(RankShouldRestart, reason)()
+            poller.sleep(deadline)
+
+    # ---------------------------------------------------------------- one iteration
+
+    def _run_iteration(
+        self,
+        current: _Iteration,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> _Result:
+        """Runs initialize, the function (or the spare's wait) and the completion barrier.
+
+        The interruptible region: the monitor thread may raise
+        ``RankShouldRestart`` anywhere inside it until it is disarmed.
+        """
+        s = self.state
+        self._board.write_iteration(current.index)
+        self._watchdog.reset(current.index)
+        monitor = self._monitor
+        armed = monitor.arm(current.index, current.baseline, s)
+        outcome = _Result()
+        try:
+            self._initialize()
+            if self.wrapper.health_check is not None:
+                try:
+                    self._health_check(None)
+                except BaseException as failure:
+                    raise _RankLeaves(failure) from None
+            if s.mode == Mode.ACTIVE:
+                with self._function_environment(current):
+                    outcome.value = fn(*args, **kwargs)
+                self._watchdog.pause_manual()
+            self._completion_barrier(current)
+            outcome.completed = True
+        except BaseException as ex:
+            # No eval-breaker checkpoint (call, loop) may precede this line: the
+            # monitor stops sending once it sees `acked`, so at most one
+            # exception sent before it can still arrive, and the nested
+            # handler below absorbs it.
+            armed.acked = True
+            outcome.exception = ex
+        try:
+            monitor.disarm()
+        except RankShouldRestart:
+            monitor.disarm()
+        if outcome.completed:
+            return outcome
+        return self._classify_fault(outcome, armed)
+
+    def _classify_fault(self, outcome: _Result, armed: _mt.Armed) -> _Result:
+        ex = outcome.exception
+        s = self.state
+        if isinstance(ex, _RankLeaves):
+            raise ex.original
+        if isinstance(ex, RankShouldRestart):
+            log.info(
+                "%s: restarting iteration %d (%s)", self.identity, s.iteration, armed.cause or ex
+            )
+        elif isinstance(ex, Exception):
+            log.warning("%s: iteration %d failed: %r", self.identity, s.iteration, ex)
+            self.store.record_fault(self.identity, f"{type(ex).__name__}: {ex}")
+            self.store.decide_outcome(s.iteration, "fault")
+        else:
+            # KeyboardInterrupt, SystemExit, RestartAbort, ...: this rank leaves.
+            self._terminate_self(f"{type(ex).__name__}: {ex}")
+            raise ex
+        s.fn_exception = ex
+        return outcome
+
+    @contextlib.contextmanager
+    def _function_environment(self, current: _Iteration) -> Iterator[None]:
+        s = self.state
+        os.environ["RANK"] = str(s.rank)
+        os.environ["WORLD_SIZE"] = str(s.active_world_size)
+        with fresh_env_rendezvous(self.store, current.index):
+            yield
+
+    # ---------------------------------------------------------------- callbacks
+
+    def _initialize(self) -> None:
+        if self.wrapper.initialize is not None:
+            self.state = self.wrapper.initialize(self.state)
+
+    def _abort(self) -> None:
+        if self.wrapper.abort is None:
+            return
+        try:
+            self.state = self.wrapper.abort(self.state)
+        except Exception:
+            self._terminate_self("abort failed")
+            raise
+
+    def _finalize(self, ex: BaseException | None) -> None:
+        if self.wrapper.finalize is None:
+            return
+        try:
+            self.state, _ = self.wrapper.finalize(self.state, ex)
+        except BaseException as failure:
+            self._terminate_self(f"finalize failed: {failure!r}")
+            raise
+
+    def _health_check(self, ex: BaseException | None) -> None:
+        if self.wrapper.health_check is None:
+            return
+        try:
+            self.state, _ = self.wrapper.health_check(self.state, ex)
+        except BaseException as failure:
+            self._terminate_self(f"health check failed: {failure!r}")
+            raise
+
+    def _terminate_self(self, reason: str) -> None:
+        """Records that this rank leaves the job, so the others go on without it."""
+        log.warning("%s: leaving the job: %s", self.identity, reason)
+        with contextlib.suppress(Exception):
+            self.store.mark_terminated(self.identity, reason)
+        self._board.write_finished()
+
+    # ---------------------------------------------------------------- joining a running job
+
+    def _joining(self) -> bool:
+        """Whether the job already started without this process (it was relaunched)."""
+        return bool(self.store.check(["initial/done"]))
+
+    def _join(self) -> tuple[list[str], set[str], list[str], int] | None:
+        """Asks to join and waits for the termination barrier that admits this rank."""
+        store = self.store
+        store.request_join(self.identity)
+        log.info("%s: asked to join the running job", self.identity)
+        deadline = time.monotonic() + self._seconds["barrier_timeout"] * 4
+        poller = _poller(_RESTART_POLL_LIMIT)
+        membership = store.membership()
+        iteration = membership[0] if membership else 0
+        while time.monotonic() < deadline:
+            done = store.get_or(f"iter/{iteration}/termination/done")
+            if done:
+                decision = json.loads(done)
+                if self.identity in decision["joiners"]:
+                    members = store.membership()
+                    if members is None or members[0] != iteration:
+                        raise InternalError(f"no membership published for iteration {iteration}")
+                    return (
+                        members[1],
+                        set(decision["terminated"]),
+                        decision["joiners"],
+                        iteration + 1,
+                    )
+                iteration += 1
+                continue
+            if store.outcome(iteration) == "completed":
+                log.warning("%s: the job completed before this rank could join", self.identity)
+                self._board.write_finished()
+                return None
+            poller.sleep(deadline)
+        raise InternalError(f"{self.identity}: not admitted to the running job in time")
+
+    # ---------------------------------------------------------------- completion
+
+    def _finish(self, current: _Iteration) -> None:
+        self._board.write_finished()
+        self.store.mark_completed(self.identity, current.index)
+        self._finished_iteration = current
+        self._monitor_process.shutdown()
+        self.store.add(f"iter/{current.index}/exit", 1)
+
+
+@dataclasses.dataclass
+class _Result:
+    completed: bool = False
+    value: Any = None
+    exception: BaseException | None = None
+
+
+def _decide_membership(
+    prev_members: list[str],
+    joiners: list[str],
+    arrivals: dict[str, str],
+    terminated: set[str],
+    baseline: int,
+) -> str:
+    """The iteration barrier's decision: the ordered membership, or a retry."""
+    if terminated:
+        return json.dumps({"retry": sorted(terminated)})
+    slots: dict[int, str] = {}
+    admitted = []
+    for identity, value in arrivals.items():
+        if value == "discard":
+            continue
+        if value == "join":
+            admitted.append(identity)
+            continue
+        rank = int(value)
+        if rank in slots:
+            return json.dumps(
+                {"error": f"rank {rank} assigned to both {slots[rank]} and {identity}"}
+            )
+        slots[rank] = identity
+    if sorted(slots) != list(range(len(slots))):
+        return json.dumps({"error": f"assigned ranks {sorted(slots)} have gaps"})
+    members = [slots[r] for r in range(len(slots))]
+    members += sorted(admitted, key=lambda j: (initial_rank_of(j), j))
+    if not members:
+        return json.dumps({"error": "no rank is left"})
+    return json.dumps({"members": members, "baseline": baseline})
+
+
+def _seconds(w: Wrapper) -> dict[str, float]:
+    names = (
+        "monitor_thread_interval",
+        "monitor_process_interval",
+        "progress_watchdog_interval",
+        "soft_timeout",
+        "hard_timeout",
+        "heartbeat_timeout",
+        "heartbeat_interval",
+        "barrier_timeout",
+        "completion_timeout",
+        "last_call_wait",
+        "termination_grace_time",
+    )
+    return {name: getattr(w, name).total_seconds() for name in names}
+
+
+def _td(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)
+
+
+def _poller(limit: float) -> Any:
+    from .store import Poller
+
+    return Poller(max(limit, 0.001))
+
+
+@contextlib.contextmanager
+def _restore_environment(*names: str) -> Iterator[None]:
+    saved = {name: os.environ.get(name) for name in names}
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Creates (once) the project's virtual environment in .venv and installs the
+# package with its test extra. torch is pinned to the CPU build that this
+# machine serves locally; an unpinned torch would pull several GB of CUDA.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+    "$PYTHON" -m venv .venv
+fi
+stamp=.venv/.inprocess-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+    .venv/bin/python -m pip install --quiet --upgrade pip >/dev/null 2>&1 || true
+    .venv/bin/python -m pip install --quiet "torch==${TORCH_VERSION:-2.13.0}"
+    .venv/bin/python -m pip install --quiet -e ".[test]"
+    touch "$stamp"
+fi

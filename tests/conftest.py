@@ -1,0 +1,61 @@
+"""Shared fixtures: every test must leave no thread, child process, fd or log handler behind."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import threading
+import time
+
+import psutil
+import pytest
+
+
+def _fds() -> set[int]:
+    return {int(fd) for fd in os.listdir("/proc/self/fd")}
+
+
+def _handlers() -> dict[str, int]:
+    loggers = [logging.getLogger()] + [
+        logging.getLogger(name) for name in list(logging.root.manager.loggerDict)
+    ]
+    return {lg.name: len(lg.handlers) for lg in loggers if isinstance(lg, logging.Logger)}
+
+
+@pytest.fixture(autouse=True)
+def no_leaks():
+    """Fails a test that leaves threads, child processes, open fds or log handlers behind."""
+    threads = set(threading.enumerate())
+    children = {p.pid for p in psutil.Process().children(recursive=True)}
+    fds = _fds()
+    handlers = _handlers()
+    yield
+    deadline = time.monotonic() + 10
+    while True:
+        gc.collect()
+        new_threads = [t for t in threading.enumerate() if t not in threads and t.is_alive()]
+        new_children = [
+            p
+            for p in psutil.Process().children(recursive=True)
+            if p.pid not in children and p.status() != psutil.STATUS_ZOMBIE
+        ]
+        new_fds = _fds() - fds
+        if not (new_threads or new_children or new_fds) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert not new_threads, f"leaked threads: {new_threads}"
+    assert not new_children, f"leaked processes: {new_children}"
+    # fds opened during the test and still open (e.g. sockets of a store)
+    leaked = {fd: _describe(fd) for fd in new_fds}
+    leaked = {fd: d for fd, d in leaked.items() if d is not None}
+    assert not leaked, f"leaked file descriptors: {leaked}"
+    new_handlers = {k: v for k, v in _handlers().items() if v > handlers.get(k, 0)}
+    assert not new_handlers, f"leaked log handlers: {new_handlers}"
+
+
+def _describe(fd: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return None

@@ -1,0 +1,495 @@
+"""Rank assignment: ShiftRanks, FillGaps, FilterGroupedByKey and their composition."""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+import random
+import socket
+import threading
+from collections.abc import Callable
+
+import pytest
+import torch.distributed as dist
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from inprocess.compose import Compose
+from inprocess.exception import InternalError, RestartError
+from inprocess.rank_assignment import (
+    FillGaps,
+    FilterGroupedByKey,
+    RankAssignment,
+    RankDiscarded,
+    ShiftRanks,
+)
+from inprocess.rank_filter import MaxActiveWorldSize, WorldSizeDivisibleBy
+from inprocess.state import Mode, State
+from inprocess.store import BarrierTimeout, StoreMixin, TCPStore
+
+pytestmark = pytest.mark.timeout(60)
+
+SHORT = datetime.timedelta(seconds=20)
+
+
+class HashStore(dist.HashStore, StoreMixin):
+    """An in-memory store shared by the threads of one process."""
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def run_rank(
+    assignment: RankAssignment, rank: int, world_size: int, terminated: set[int], store=None
+) -> tuple[int, int] | BaseException:
+    """One rank's call: its (new rank, new world size), or the exception it raised."""
+    state = State(rank=rank, world_size=world_size, store=store)
+    try:
+        state, left = assignment(state, set(terminated))
+    except RestartError as ex:
+        return ex
+    assert left == set()
+    assert state.active_world_size == state.world_size
+    return state.rank, state.world_size
+
+
+def simulate(
+    assignment: RankAssignment, world_size: int, terminated: set[int]
+) -> dict[int, tuple[int, int] | BaseException]:
+    """Every rank of the job calls ``assignment`` on its own state, one after the other."""
+    return {r: run_rank(assignment, r, world_size, terminated) for r in range(world_size)}
+
+
+def simulate_threads(
+    make: Callable[[int], RankAssignment],
+    world_size: int,
+    terminated: set[int],
+    timeout: float = 30.0,
+) -> dict[int, tuple[int, int] | BaseException]:
+    """Every rank in its own thread, sharing one store, as in a real job."""
+    store = HashStore()
+    results: dict[int, tuple[int, int] | BaseException] = {}
+
+    def target(rank: int) -> None:
+        try:
+            results[rank] = run_rank(make(rank), rank, world_size, terminated, store)
+        except BaseException as ex:
+            results[rank] = ex
+
+    threads = [threading.Thread(target=target, args=(r,), daemon=True) for r in range(world_size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout)
+    assert not any(t.is_alive() for t in threads), "a simulated rank hung"
+    return results
+
+
+def check_consistent(
+    results: dict[int, tuple[int, int] | BaseException], dropped: set[int]
+) -> dict[int, int]:
+    """Invariants every final assignment satisfies; returns old rank -> new rank."""
+    world_size = len(results)
+    survivors = sorted(set(range(world_size)) - dropped)
+    for rank in dropped:
+        assert isinstance(results[rank], RankDiscarded), (rank, results[rank])
+    outcomes = {r: results[r] for r in survivors}
+    for rank, outcome in outcomes.items():
+        assert isinstance(outcome, tuple), (rank, outcome)
+    sizes = {size for _, size in outcomes.values()}
+    assert sizes == {len(survivors)}
+    new_ranks = sorted(new for new, _ in outcomes.values())
+    assert new_ranks == list(range(len(survivors)))
+    return {r: outcomes[r][0] for r in survivors}
+
+
+# ---------------------------------------------------------------------- seed diagrams
+
+
+def test_shift_ranks_diagram():
+    results = simulate(ShiftRanks(), 8, {1, 4, 5})
+    mapping = check_consistent(results, {1, 4, 5})
+    assert mapping == {0: 0, 2: 1, 3: 2, 6: 3, 7: 4}
+
+
+def test_fill_gaps_diagram():
+    results = simulate(FillGaps(), 8, {1, 4, 5})
+    mapping = check_consistent(results, {1, 4, 5})
+    assert mapping == {0: 0, 2: 2, 3: 3, 6: 1, 7: 4}
+
+
+def test_no_terminated_ranks_keeps_everything():
+    for assignment in (ShiftRanks(), FillGaps()):
+        mapping = check_consistent(simulate(assignment, 5, set()), set())
+        assert mapping == {r: r for r in range(5)}
+
+
+def test_fill_gaps_terminated_only_at_the_top():
+    mapping = check_consistent(simulate(FillGaps(), 6, {4, 5}), {4, 5})
+    assert mapping == {0: 0, 1: 1, 2: 2, 3: 3}
+
+
+def test_mutates_and_returns_the_given_state():
+    state = State(rank=3, world_size=4, iteration=2)
+    returned, left = ShiftRanks()(state, {0})
+    assert returned is state
+    assert (state.rank, state.world_size, state.active_world_size) == (2, 3, 3)
+    assert state.initial_rank == 3 and state.iteration == 2
+    assert left == set()
+
+
+def test_input_set_is_not_modified():
+    terminated = {1}
+    ShiftRanks()(State(rank=0, world_size=3), terminated)
+    assert terminated == {1}
+
+
+def test_discarded_rank_raises():
+    with pytest.raises(RankDiscarded, match="rank 4"):
+        ShiftRanks()(State(rank=4, world_size=8), {1, 4})
+    with pytest.raises(RankDiscarded):
+        FillGaps()(State(rank=0, world_size=1), {0})
+    assert issubclass(RankDiscarded, RestartError)
+
+
+@pytest.mark.parametrize("bad", [{-1}, {8}, {3, 100}])
+def test_out_of_range_terminated_ranks_are_rejected(bad):
+    with pytest.raises(ValueError, match="terminated_ranks"):
+        ShiftRanks()(State(rank=0, world_size=8), bad)
+
+
+def test_non_int_terminated_ranks_are_rejected():
+    with pytest.raises(TypeError, match="terminated_ranks"):
+        ShiftRanks()(State(rank=0, world_size=8), "12")
+    with pytest.raises(TypeError, match="terminated_ranks"):
+        ShiftRanks()(State(rank=0, world_size=8), 3)
+
+
+def test_base_class_is_abstract():
+    with pytest.raises(TypeError):
+        RankAssignment()
+
+
+# ---------------------------------------------------------------------- properties
+
+
+# A strict subset of range(world_size): at least one rank survives.
+@st.composite
+def jobs(draw, max_world_size: int, max_terminated: int | None = None):
+    world_size = draw(st.integers(1, max_world_size))
+    limit = world_size - 1 if max_terminated is None else min(world_size - 1, max_terminated)
+    count = draw(st.integers(0, limit))
+    seed = draw(st.integers(0, 2**32 - 1))
+    terminated = set(random.Random(seed).sample(range(world_size), count))
+    return world_size, terminated
+
+
+def check_assignment_properties(world_size: int, terminated: set[int]) -> None:
+    shifted = check_consistent(simulate(ShiftRanks(), world_size, terminated), terminated)
+    order = [shifted[r] for r in sorted(shifted)]
+    assert order == sorted(order), "ShiftRanks must keep the survivors' relative order"
+
+    filled = check_consistent(simulate(FillGaps(), world_size, terminated), terminated)
+    new_size = world_size - len(terminated)
+    for old, new in filled.items():
+        if old < new_size:
+            assert new == old, "FillGaps must not move a survivor below the new world size"
+        else:
+            assert new in terminated, "FillGaps must move high ranks into gaps only"
+    moved = sorted(old for old in filled if old >= new_size)
+    assert [filled[old] for old in moved] == sorted(filled[old] for old in moved)
+
+
+@settings(max_examples=150, deadline=None)
+@given(jobs(max_world_size=300))
+def test_assignments_small_worlds_any_terminated_set(job):
+    check_assignment_properties(*job)
+
+
+@settings(max_examples=6, deadline=None)
+@given(jobs(max_world_size=16384, max_terminated=24))
+@example((16384, {0, 1, 8191, 16383}))
+def test_assignments_large_worlds(job):
+    check_assignment_properties(*job)
+
+
+def test_assignments_largest_world_many_terminated():
+    # The scale of the seed's latency table: 16384 ranks, 1024 of them lost.
+    terminated = set(random.Random(7).sample(range(16384), 1024))
+    check_assignment_properties(16384, terminated)
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    jobs(max_world_size=200),
+    st.integers(1, 16),
+    st.integers(1, 256),
+    st.sampled_from(["shift", "fill"]),
+)
+def test_assignment_then_rank_filter(job, divisor, max_active, kind):
+    world_size, terminated = job
+    assignment = ShiftRanks() if kind == "shift" else FillGaps()
+    rank_filter = Compose(WorldSizeDivisibleBy(divisor), MaxActiveWorldSize(max_active))
+    new_world_size = world_size - len(terminated)
+    expected_active = min(max_active, new_world_size) // divisor * divisor
+    modes: dict[int, Mode] = {}
+    for rank in sorted(set(range(world_size)) - terminated):
+        state = State(rank=rank, world_size=world_size)
+        state, _ = assignment(state, set(terminated))
+        state.active_world_size = state.world_size  # what the Wrapper does before the filter
+        state = rank_filter(state)
+        state.apply_active_world_size()
+        assert state.active_world_size == expected_active
+        modes[state.rank] = state.mode
+    assert sorted(modes) == list(range(new_world_size))
+    active = [r for r in sorted(modes) if modes[r] == Mode.ACTIVE]
+    inactive = [r for r in sorted(modes) if modes[r] == Mode.INACTIVE]
+    assert active == list(range(expected_active))
+    assert inactive == list(range(expected_active, new_world_size))
+
+
+# ---------------------------------------------------------------------- FilterGroupedByKey
+
+
+def test_filter_arguments_are_validated():
+    ok = lambda count: True  # noqa: E731
+    with pytest.raises(TypeError, match="key_or_fn"):
+        FilterGroupedByKey(3, ok)
+    with pytest.raises(ValueError, match="key_or_fn"):
+        FilterGroupedByKey("a\nb", ok)
+    with pytest.raises(TypeError, match="condition"):
+        FilterGroupedByKey("host", True)
+    with pytest.raises(TypeError, match="timeout"):
+        FilterGroupedByKey("host", ok, timeout=5)
+    with pytest.raises(ValueError, match="timeout"):
+        FilterGroupedByKey("host", ok, timeout=datetime.timedelta(0))
+    with pytest.raises(ValueError, match="name"):
+        FilterGroupedByKey("host", ok, name="a/b")
+
+
+def test_filter_instances_get_distinct_store_prefixes():
+    a = FilterGroupedByKey("x", bool)
+    b = FilterGroupedByKey("x", bool)
+    assert a.name != b.name
+    assert FilterGroupedByKey("x", bool, name="mine").name == "mine"
+
+
+def test_filter_needs_a_store():
+    fgk = FilterGroupedByKey("x", bool)
+    with pytest.raises(ValueError, match=r"state\.store"):
+        fgk(State(rank=0, world_size=2), set())
+    with pytest.raises(TypeError, match="StoreMixin"):
+        fgk(State(rank=0, world_size=2, store=dist.HashStore()), set())
+
+
+def test_filter_alone_returns_enlarged_set_and_keeps_ranks():
+    fgk = FilterGroupedByKey(lambda rank, ws: rank // 4, lambda count: count == 4)
+
+    store = HashStore()
+    out: dict[int, object] = {}
+
+    def target(rank: int) -> None:
+        state = State(rank=rank, world_size=8, store=store)
+        try:
+            out[rank] = fgk(state, {5})
+            assert state.rank == rank and state.world_size == 8
+        except BaseException as ex:
+            out[rank] = ex
+
+    threads = [threading.Thread(target=target, args=(r,), daemon=True) for r in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert not any(t.is_alive() for t in threads)
+    for rank in range(8):
+        _, left = out[rank]
+        # a terminated rank takes no part and passes its input through
+        assert left == ({5} if rank == 5 else {4, 5, 6, 7}), rank
+
+
+def test_terminated_rank_does_not_take_part():
+    fgk = FilterGroupedByKey("k", lambda c: True)
+    store = HashStore()
+    _, left = fgk(State(rank=1, world_size=2, store=store), {1})
+    assert left == {1}
+    assert not store.check(["inprocess/filter_grouped_by_key/" + fgk.name + "/keys"])
+
+
+def test_seed_example_drops_whole_group():
+    chain = Compose(
+        ShiftRanks(),
+        FilterGroupedByKey(key_or_fn=lambda rank, ws: str(rank // 4), condition=lambda c: c == 4),
+    )
+    assert isinstance(chain, RankAssignment)
+    results = simulate_threads(lambda rank: chain, 12, {6})
+    mapping = check_consistent(results, {4, 5, 6, 7})
+    assert mapping == {0: 0, 1: 1, 2: 2, 3: 3, 8: 4, 9: 5, 10: 6, 11: 7}
+
+
+def test_seed_example_with_int_keys_and_fill_gaps():
+    chain = Compose(
+        FillGaps(),
+        FilterGroupedByKey(key_or_fn=lambda rank, _: rank // 2, condition=lambda c: c == 2),
+    )
+    results = simulate_threads(lambda rank: chain, 8, {2})
+    mapping = check_consistent(results, {2, 3})
+    assert mapping == {0: 0, 1: 1, 4: 4, 5: 5, 6: 2, 7: 3}
+
+
+def test_rank_local_string_keys():
+    # Each rank knows only its own host; ranks 0-2 on "a", 3-5 on "b", 6-7 on "c".
+    hosts = ["node-a"] * 3 + ["node-b"] * 3 + ["node=c\twith 'odd' \"chars\" \r\u2028 ünï"] * 2
+
+    def make(rank: int) -> RankAssignment:
+        return Compose(
+            ShiftRanks(),
+            FilterGroupedByKey(hosts[rank], condition=lambda c: c >= 2, name="host"),
+        )
+
+    # node-a loses two ranks -> its last healthy rank is dropped as well
+    results = simulate_threads(make, 8, {0, 1})
+    mapping = check_consistent(results, {0, 1, 2})
+    assert mapping == {3: 0, 4: 1, 5: 2, 6: 3, 7: 4}
+
+
+def test_rank_local_callable_keys():
+    local = threading.local()
+
+    def make(rank: int) -> RankAssignment:
+        local.host = f"host{rank % 3}"  # a fact only this "process" knows
+        return chain
+
+    chain = Compose(
+        ShiftRanks(),
+        FilterGroupedByKey(lambda rank, ws: local.host, condition=lambda c: c == 3, name="cb"),
+    )
+    # host0 = {0, 3, 6}, host1 = {1, 4, 7}, host2 = {2, 5, 8}; terminate 4 -> host1 dropped
+    results = simulate_threads(make, 9, {4})
+    mapping = check_consistent(results, {1, 4, 7})
+    assert mapping == {0: 0, 2: 1, 3: 2, 5: 3, 6: 4, 8: 5}
+
+
+def test_two_composed_filters_do_not_collide():
+    chain = Compose(
+        ShiftRanks(),
+        FilterGroupedByKey(lambda rank, _: rank % 2, condition=lambda c: c >= 3),
+        FilterGroupedByKey(lambda rank, _: rank // 4, condition=lambda c: c == 4),
+    )
+    # groups of 4: {0-3} loses 1 -> dropped; parity among the rest {4..11}: all >= 3
+    results = simulate_threads(lambda rank: chain, 12, {1})
+    mapping = check_consistent(results, {0, 1, 2, 3})
+    assert mapping == {r: r - 4 for r in range(4, 12)}
+
+
+def test_filter_times_out_when_a_survivor_never_arrives():
+    fgk = FilterGroupedByKey("k", bool, timeout=datetime.timedelta(seconds=0.3))
+    store = HashStore()
+    with pytest.raises(BarrierTimeout):
+        fgk(State(rank=0, world_size=2, store=store), set())
+
+
+def test_filter_detects_inconsistent_terminated_sets():
+    # Rank 0 believes rank 1 is terminated, but rank 1 published a key and
+    # arrived: the ranks disagree on the input, which is a bug of the caller.
+    fgk = FilterGroupedByKey("k", bool, timeout=datetime.timedelta(seconds=5))
+    store = HashStore()
+    prefix = f"inprocess/filter_grouped_by_key/{fgk.name}"
+    store.append(f"{prefix}/keys", "1=k\n")
+    store.append(f"{prefix}/barrier/arrivals", "1,")
+    store.add(f"{prefix}/barrier/count", 1)
+    with pytest.raises(InternalError, match="expected the 2 surviving ranks"):
+        fgk(State(rank=0, world_size=3, store=store), {1})
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    jobs(max_world_size=64),
+    st.integers(1, 8),
+    st.sampled_from(["shift", "fill"]),
+)
+def test_filter_grouped_by_key_property(job, group_size, kind):
+    world_size, terminated = job
+    final = ShiftRanks() if kind == "shift" else FillGaps()
+    chain = Compose(
+        final,
+        FilterGroupedByKey(
+            lambda rank, _: f"g{rank // group_size}",
+            condition=lambda c: c == group_size,
+            timeout=SHORT,
+        ),
+    )
+    broken = {r // group_size for r in terminated}
+    # a trailing partial group can never satisfy the condition
+    if world_size % group_size:
+        broken.add(world_size // group_size)
+    dropped = {r for r in range(world_size) if r // group_size in broken}
+    results = simulate_threads(lambda rank: chain, world_size, terminated)
+    if len(dropped) == world_size:
+        assert all(isinstance(v, RankDiscarded) for v in results.values()), results
+        return
+    mapping = check_consistent(results, dropped)
+    if kind == "shift":
+        survivors = sorted(mapping)
+        assert [mapping[r] for r in survivors] == list(range(len(survivors)))
+
+
+# ---------------------------------------------------------------------- TCPStore, processes
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _process_rank(port: int, rank: int, world_size: int, host: str, out: multiprocessing.Queue):
+    store = TCPStore(
+        host_name="127.0.0.1", port=port, is_master=False, timeout=datetime.timedelta(seconds=30)
+    )
+    chain = Compose(ShiftRanks(), FilterGroupedByKey(host, condition=lambda c: c == 2, name="proc"))
+    state = State(rank=rank, world_size=world_size, store=store)
+    try:
+        state, _ = chain(state, {1})
+        out.put((rank, state.rank, state.world_size))
+    except RankDiscarded:
+        out.put((rank, None, None))
+    except BaseException as ex:
+        out.put((rank, "error", repr(ex)))
+
+
+def test_filter_over_tcp_store_across_processes():
+    port = _free_port()
+    server = TCPStore(
+        host_name="127.0.0.1", port=port, is_master=True, timeout=datetime.timedelta(seconds=30)
+    )
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    hosts = ["h0", "h0", "h1", "h1"]
+    # ranks 2, 3 run in child processes; ranks 0, 1 in threads of this one
+    procs = [
+        ctx.Process(target=_process_rank, args=(port, r, 4, hosts[r], out), daemon=True)
+        for r in (2, 3)
+    ]
+    threads = [
+        threading.Thread(target=_process_rank, args=(port, r, 4, hosts[r], out), daemon=True)
+        for r in (0, 1)
+    ]
+    try:
+        for worker in (*procs, *threads):
+            worker.start()
+        results = {}
+        for _ in range(4):
+            rank, new_rank, size = out.get(timeout=45)
+            results[rank] = (new_rank, size)
+    finally:
+        for proc in procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+        for thread in threads:
+            thread.join(10)
+        del server
+    # h0 lost rank 1 -> rank 0 is dropped too; h1 ranks shift down to 0, 1
+    assert results == {0: (None, None), 1: (None, None), 2: (0, 2), 3: (1, 2)}

@@ -1,0 +1,244 @@
+"""A configurable training job under the Wrapper, driven by a JSON spec.
+
+The spec (environment variable INPROCESS_TEST_SPEC) says how to configure the
+Wrapper and which faults to inject: a fault names the initial rank that fails,
+the iteration and step at which it fails, how it fails, and what the other
+ranks are doing meanwhile ("allreduce", "barrier" or "python"). Every rank
+writes a JSON report (report<initial rank>.json) with its return value and
+what it saw, which the tests check.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import inprocess
+
+SPEC: dict[str, Any] = json.loads(os.environ["INPROCESS_TEST_SPEC"])
+INITIAL_RANK = int(os.environ["RANK"])
+REPORT = Path(SPEC["report_dir"]) / f"report{INITIAL_RANK}.json"
+EVENTS: list[dict[str, Any]] = []
+
+logging.basicConfig(
+    level=SPEC.get("log_level", "WARNING"),
+    format=f"%(asctime)s r{INITIAL_RANK} %(name)s %(levelname)s %(message)s",
+)
+
+
+def event(kind: str, **data: Any) -> None:
+    EVENTS.append({"kind": kind, "time": time.monotonic(), **data})
+
+
+def write_report(**data: Any) -> None:
+    REPORT.write_text(json.dumps({"initial_rank": INITIAL_RANK, "events": EVENTS, **data}))
+
+
+def td(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)
+
+
+# ---------------------------------------------------------------- callbacks
+
+
+class RecordingInitialize(inprocess.initialize.Initialize):
+    def __call__(self, state: inprocess.state.State) -> inprocess.state.State:
+        event("initialize", iteration=state.iteration, rank=state.rank)
+        bad = SPEC.get("initialize_fails", {})
+        spec = bad.get(str(INITIAL_RANK))
+        if spec and state.iteration in spec["iterations"]:
+            if spec["kind"] == "exception":
+                raise RuntimeError("initialize failed")
+            raise inprocess.exception.RestartAbort("initialize gave up")
+        return state
+
+
+class RecordingFinalize(inprocess.finalize.Finalize):
+    def __call__(self, state, train_ex=None):
+        event("finalize", iteration=state.iteration)
+        if INITIAL_RANK in SPEC.get("finalize_fails", []):
+            raise RuntimeError("finalize failed")
+        return state, train_ex
+
+
+class RecordingHealthCheck(inprocess.health_check.HealthCheck):
+    def __call__(self, state, train_ex=None):
+        event("health_check", iteration=state.iteration, after_fault=train_ex is not None)
+        if INITIAL_RANK in SPEC.get("unhealthy", []) and train_ex is not None:
+            raise inprocess.exception.HealthCheckError("unhealthy by request")
+        return state, train_ex
+
+
+class FailingAbort(inprocess.abort.Abort):
+    def __call__(self, state):
+        if INITIAL_RANK in SPEC.get("abort_fails", []):
+            raise RuntimeError("abort failed")
+        return state
+
+
+class FailingAssignment(inprocess.rank_assignment.RankAssignment):
+    def __call__(self, state, terminated_ranks):
+        if INITIAL_RANK in SPEC.get("assignment_fails", []):
+            raise RuntimeError("rank assignment failed")
+        return state, terminated_ranks
+
+
+def build_wrapper() -> inprocess.Wrapper:
+    w = dict(SPEC.get("wrapper", {}))
+    kwargs: dict[str, Any] = {k: td(v) for k, v in w.items() if k != "monitor_process_logfile"}
+    if "monitor_process_logfile" in w:
+        kwargs["monitor_process_logfile"] = w["monitor_process_logfile"]
+    initializers: list[Any] = [RecordingInitialize()]
+    if "max_iterations" in SPEC:
+        initializers.insert(
+            0,
+            inprocess.initialize.RetryController(
+                max_iterations=SPEC["max_iterations"],
+                min_world_size=SPEC.get("min_world_size", 1),
+            ),
+        )
+    kwargs["initialize"] = inprocess.Compose(*initializers)
+    kwargs["finalize"] = RecordingFinalize()
+    kwargs["health_check"] = RecordingHealthCheck()
+    aborts: list[Any] = [inprocess.abort.AbortTorchDistributed()]
+    if SPEC.get("abort_fails"):
+        aborts.insert(0, FailingAbort())
+    kwargs["abort"] = inprocess.Compose(*aborts)
+    assignment: Any = inprocess.rank_assignment.ShiftRanks()
+    if SPEC.get("fill_gaps"):
+        assignment = inprocess.rank_assignment.FillGaps()
+    if "group_size" in SPEC:
+        size = SPEC["group_size"]
+        assignment = inprocess.Compose(
+            assignment,
+            inprocess.rank_assignment.FilterGroupedByKey(
+                key_or_fn=lambda rank, _: str(rank // size),
+                condition=lambda count: count == size,
+            ),
+        )
+    if SPEC.get("assignment_fails"):
+        assignment = inprocess.Compose(assignment, FailingAssignment())
+    kwargs["rank_assignment"] = assignment
+    filters = []
+    if "divisible_by" in SPEC:
+        filters.append(inprocess.rank_filter.WorldSizeDivisibleBy(SPEC["divisible_by"]))
+    if "max_active" in SPEC:
+        filters.append(inprocess.rank_filter.MaxActiveWorldSize(SPEC["max_active"]))
+    if filters:
+        kwargs["rank_filter"] = inprocess.Compose(*filters)
+    return inprocess.Wrapper(**kwargs)
+
+
+# ---------------------------------------------------------------- faults
+
+
+def fault_for(iteration: int) -> dict[str, Any] | None:
+    for fault in SPEC.get("faults", []):
+        if fault["iteration"] == iteration:
+            return fault
+    return None
+
+
+def inject(kind: str) -> None:
+    event("fault", fault=kind)
+    # Written now: the process may not live to write its report.
+    marker = Path(SPEC["report_dir"]) / f"fault{INITIAL_RANK}.json"
+    marker.write_text(json.dumps({"kind": kind, "time": time.monotonic()}))
+    if kind == "raise":
+        raise RuntimeError("injected fault")
+    if kind == "keyboard":
+        raise KeyboardInterrupt
+    if kind == "exit":
+        sys.exit(3)
+    if kind == "sleep":  # a hang with the GIL released
+        time.sleep(1000)
+    if kind == "socket":  # a hang in a socket read
+        import socket
+
+        a, _b = socket.socketpair()
+        a.recv(1)
+    if kind == "gil":  # a hang holding the GIL
+        ctypes.PyDLL(None).sleep(1000)
+    if kind == "busy":  # runs bytecode, never pings: only the manual timeout sees it
+        while True:
+            pass
+    if kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    if kind == "segfault":
+        ctypes.string_at(0)
+    raise ValueError(f"unknown fault kind {kind}")
+
+
+def busy_python(seconds: float) -> None:
+    end = time.monotonic() + seconds
+    x = 0
+    while time.monotonic() < end:
+        x += 1
+
+
+# ---------------------------------------------------------------- the job
+
+wrapper = build_wrapper()
+
+
+@wrapper
+def train(call_wrapper: inprocess.CallWrapper = None) -> dict[str, Any]:
+    iteration = call_wrapper.iteration
+    dist.init_process_group("gloo", timeout=td(SPEC.get("gloo_timeout", 60)))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    event("start", iteration=iteration, rank=rank, world=world)
+    # One collective right away: proves the new group works.
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    event("ready", iteration=iteration, rank=rank, world=world)
+    fault = fault_for(iteration)
+    mode = fault["others"] if fault else SPEC.get("mode", "allreduce")
+    steps = SPEC.get("steps", 5)
+    ping = SPEC.get("ping", False)
+    total = 0.0
+    step = 0
+    try:
+        for step in range(steps):
+            if ping:
+                call_wrapper.ping()
+            if fault and fault["rank"] == INITIAL_RANK and step == fault["step"]:
+                inject(fault["kind"])
+            if mode == "allreduce":
+                t = torch.full((1024,), float(rank + 1))
+                dist.all_reduce(t)
+                total = t[0].item()
+            elif mode == "barrier":
+                dist.barrier()
+            else:  # python
+                busy_python(SPEC.get("python_step_seconds", 0.05))
+    except BaseException as ex:
+        event("interrupted", iteration=iteration, step=step, exception=type(ex).__name__, message=str(ex)[:300])
+        raise
+    t = torch.full((1,), float(rank + 1))
+    dist.all_reduce(t)
+    total = t.item()
+    dist.destroy_process_group()
+    event("done", iteration=iteration)
+    return {"rank": rank, "world": world, "sum": total, "iteration": iteration}
+
+
+if __name__ == "__main__":
+    try:
+        result = train()
+    except BaseException as ex:
+        write_report(returned=None, exception=type(ex).__name__, message=str(ex))
+        raise
+    write_report(returned=result, exception=None)
