@@ -34,9 +34,15 @@ class AbortTorchDistributed(Abort):
       :mod:`inprocess.gloo_abort`), which releases blocked collectives at once.
     * NCCL: the backend's ``abort()`` (``_shutdown()`` on older torch) stops
       pending kernels and communicators.
+    * A group still initializing (blocked reading a peer's address from the
+      store): this iteration's ``env://`` rendezvous connections are shut down
+      (see :mod:`inprocess.user_rendezvous`).
 
     Then ``destroy_process_group()`` frees the groups so that the next iteration
-    can initialize new ones.
+    can initialize new ones, and the group counter that names default groups is
+    reset: torch resets it only when destroying an initialized world, so a rank
+    whose initialization was cut short would otherwise name its next group
+    differently from its peers and never meet them.
     """
 
     def __init__(self, store_read_timeout: float = 2.0) -> None:
@@ -46,22 +52,36 @@ class AbortTorchDistributed(Abort):
     def __call__(self, state: State) -> State:
         import torch.distributed as dist
 
-        with self._lock:
-            if not (dist.is_available() and dist.is_initialized()):
-                return state
-            from .gloo_abort import release_blocked_collectives
+        from .gloo_abort import release_blocked_collectives
+        from .user_rendezvous import release_rendezvous_connections
 
+        with self._lock:
             try:
-                release_blocked_collectives(self.store_read_timeout)
+                release_rendezvous_connections()
             except Exception:
-                log.exception("releasing gloo collectives failed")
-            _abort_nccl()
-            try:
-                dist.destroy_process_group()
-            except (ValueError, AssertionError, RuntimeError) as ex:
-                # Another thread destroyed it between our check and this call.
-                log.debug("destroy_process_group: %s", ex)
+                log.exception("releasing rendezvous connections failed")
+            if dist.is_available() and dist.is_initialized():
+                try:
+                    release_blocked_collectives(self.store_read_timeout)
+                except Exception:
+                    log.exception("releasing gloo collectives failed")
+                _abort_nccl()
+                try:
+                    dist.destroy_process_group()
+                except (ValueError, AssertionError, RuntimeError) as ex:
+                    # Another thread destroyed it between our check and this call.
+                    log.debug("destroy_process_group: %s", ex)
+            _reset_group_count()
         return state
+
+
+def _reset_group_count() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and not dist.is_initialized():
+        from torch.distributed import distributed_c10d as c10d
+
+        c10d._world.group_count = 0
 
 
 def _abort_nccl() -> None:

@@ -16,92 +16,29 @@ address is a published listening address of the group is the group's, and no
 other socket of the process can have such an address: the store's and the
 user's sockets are never touched.
 
-Safety rules, each learnt the hard way:
-
-* Never touch the listening socket: gloo's accept loop treats an error there
-  as fatal and terminates the process.
-* Never act on a bare fd number: gloo closes and the process reuses fds at any
-  time. The fd is duplicated first and the duplicate's inode compared with the
-  socket's; ``shutdown`` on the verified duplicate acts on the right socket.
+Never touch the listening socket: gloo's accept loop treats an error there as
+fatal and terminates the process. The sockets are shut down with the fd-reuse
+safe helpers of :mod:`inprocess.sockets`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import socket
 import struct
 import threading
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
+from .sockets import (
+    TCP_ESTABLISHED,
+    TcpSocket,
+    process_tcp_sockets,
+    shutdown_sockets,
+    socket_fds,
+)
+
 log = logging.getLogger(__name__)
-
-_TCP_ESTABLISHED = "01"
-_TCP_LISTEN = "0A"
-
-
-@dataclass(frozen=True)
-class TcpSocket:
-    inode: int
-    local: tuple[int, bytes, int]  # family, address bytes, port
-    remote: tuple[int, bytes, int]
-    state: str
-
-
-def _parse_proc_address(text: str, family: int) -> tuple[int, bytes, int]:
-    host, port = text.split(":")
-    raw = bytes.fromhex(host)
-    # /proc prints each 32-bit word in host byte order.
-    words = [raw[i : i + 4] for i in range(0, len(raw), 4)]
-    if struct.pack("=I", 1) == struct.pack("<I", 1):
-        words = [w[::-1] for w in words]
-    return family, b"".join(words), int(port, 16)
-
-
-def process_tcp_sockets() -> list[TcpSocket]:
-    """TCP sockets of this network namespace, with their inodes."""
-    sockets = []
-    for path, family in (
-        ("/proc/self/net/tcp", socket.AF_INET),
-        ("/proc/self/net/tcp6", socket.AF_INET6),
-    ):
-        try:
-            with open(path) as f:
-                lines = f.read().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            if len(fields) < 10:
-                continue
-            inode = int(fields[9])
-            if inode == 0:
-                continue
-            sockets.append(
-                TcpSocket(
-                    inode=inode,
-                    local=_parse_proc_address(fields[1], family),
-                    remote=_parse_proc_address(fields[2], family),
-                    state=fields[3],
-                )
-            )
-    return sockets
-
-
-def socket_fds() -> dict[int, int]:
-    """Map socket inode -> fd for this process's open sockets."""
-    result = {}
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{name}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            result[int(target[8:-1])] = int(name)
-    return result
 
 
 def _sockaddr_matches(blob: bytes, address: tuple[int, bytes, int]) -> bool:
@@ -188,7 +125,7 @@ def group_sockets(groups: Iterable[tuple[Any, Any]], timeout: float = 2.0) -> li
     owned = socket_fds()
     matched = []
     for sock in process_tcp_sockets():
-        if sock.inode not in owned or sock.state != _TCP_ESTABLISHED:
+        if sock.inode not in owned or sock.state != TCP_ESTABLISHED:
             continue
         if any(
             _sockaddr_matches(b, sock.local) or _sockaddr_matches(b, sock.remote) for b in blobs
@@ -197,37 +134,11 @@ def group_sockets(groups: Iterable[tuple[Any, Any]], timeout: float = 2.0) -> li
     return matched
 
 
-def shutdown_socket(inode: int, fd: int) -> bool:
-    """``shutdown(SHUT_RDWR)`` on the socket ``inode`` if ``fd`` still refers to it."""
-    try:
-        dup = os.dup(fd)
-    except OSError:
-        return False  # already closed by its owner
-    try:
-        if os.fstat(dup).st_ino != inode:
-            return False  # fd was reused for something else
-        sock = socket.socket(fileno=dup)
-        try:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-            return True
-        finally:
-            sock.detach()
-    finally:
-        os.close(dup)
-
-
 def release_blocked_collectives(timeout: float = 2.0) -> int:
     """Breaks the connections of every gloo group of this process; returns how many."""
     groups = list(gloo_groups())
     if not groups:
         return 0
-    sockets = group_sockets(groups, timeout)
-    fds = socket_fds()
-    released = 0
-    for sock in sockets:
-        fd = fds.get(sock.inode)
-        if fd is not None and shutdown_socket(sock.inode, fd):
-            released += 1
+    released = shutdown_sockets(group_sockets(groups, timeout))
     log.debug("shut down %d gloo sockets of %d groups", released, len(groups))
     return released

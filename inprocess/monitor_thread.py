@@ -87,8 +87,12 @@ class reraise_if_unraisable(contextlib.ContextDecorator):
     An asynchronous exception that lands in a ``__del__`` method, a weakref
     callback or a ctypes callback is not propagated; the interpreter reports it
     to ``sys.unraisablehook`` and carries on. Inside this context (or decorated
-    function) such an exception is raised again in the thread that lost it, at
-    its next bytecode. Other unraisable exceptions go to the previous hook.
+    function) such an exception is raised again in the thread that lost it.
+    Other unraisable exceptions go to the previous hook.
+
+    The hook itself runs bytecode, so an exception set from inside it would
+    land in it and be lost for good; it is set from a short-lived thread, a
+    millisecond later, once the hook has returned.
     """
 
     def __init__(self, exc_type: type[BaseException]) -> None:
@@ -104,7 +108,10 @@ class reraise_if_unraisable(contextlib.ContextDecorator):
             and threading.get_ident() == thread_id
         ):
             log.debug("re-raising %r lost in %r", exc, unraisable.object)
-            async_raise(thread_id, type(exc))
+            timer = threading.Timer(0.001, async_raise, args=(thread_id, type(exc)))
+            timer.name = "inprocess-reraise"
+            timer.daemon = True
+            timer.start()
         else:
             previous(unraisable)
 

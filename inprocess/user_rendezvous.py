@@ -10,8 +10,21 @@ While the wrapped function runs, this module therefore substitutes the
 ``env://`` handler: the store it yields is prefixed with the iteration, and
 when the Wrapper's own store is the TCPStore at ``MASTER_ADDR:MASTER_PORT``
 every rank connects to it as a client (torch's ``TORCHELASTIC_USE_AGENT_STORE``
-convention) instead of rank 0 hosting another one. Scripts that build their
-own store and pass ``store=`` to ``init_process_group`` are not affected.
+convention) instead of rank 0 hosting another one.
+
+Process group initialization blocks in store reads (in C++, not
+interruptible) until every peer has published its address, and a peer that
+failed before initializing never will. So the sockets this process has when
+the function starts are recorded, and :func:`release_rendezvous_connections`
+(run by ``AbortTorchDistributed``) shuts down the connections to the store at
+``MASTER_PORT`` opened since: the rendezvous connections of this iteration and
+gloo's clones of them; the Wrapper's own connection is older and untouched.
+(A Python store wrapper that polls cannot be used instead: torch 2.13's gloo
+clones its store, and a ``PrefixStore`` over a Python store cannot be cloned.)
+
+Scripts that build their own store and pass ``store=`` to
+``init_process_group`` are not affected; their initialization is bounded by the
+timeout they pass.
 """
 
 from __future__ import annotations
@@ -23,9 +36,33 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+from .sockets import TCP_ESTABLISHED, process_tcp_sockets, shutdown_sockets, socket_fds
 from .store import AGENT_STORE_ENV, PrefixStore, TCPStore
 
 log = logging.getLogger(__name__)
+
+
+#: socket inodes of this process when the current call of the function began
+_baseline: set[int] | None = None
+
+
+def release_rendezvous_connections() -> int:
+    """Shuts down the connections to the store at ``MASTER_PORT`` opened in this iteration."""
+    baseline, port = _baseline, os.environ.get("MASTER_PORT")
+    if baseline is None or port is None:
+        return 0
+    fresh = [
+        sock
+        for sock in process_tcp_sockets()
+        if sock.inode not in baseline
+        and sock.remote[2] == int(port)
+        and sock.state == TCP_ESTABLISHED
+    ]
+    owned = socket_fds()
+    fresh = [sock for sock in fresh if sock.inode in owned]
+    released = shutdown_sockets(fresh)
+    log.debug("shut down %d rendezvous connections", released)
+    return released
 
 
 def _serves_master_address(raw: Any) -> bool:
@@ -57,13 +94,16 @@ def fresh_env_rendezvous(store: PrefixStore, iteration: int) -> Iterator[None]:
         for user_store, rank, world_size in original(*args, **kwargs):
             yield PrefixStore(prefix, user_store), rank, world_size
 
+    global _baseline
     saved_agent = os.environ.get(AGENT_STORE_ENV)
     if _serves_master_address(store.base_store):
         os.environ[AGENT_STORE_ENV] = str(True)
     handlers["env"] = handler
+    _baseline = set(socket_fds())
     try:
         yield
     finally:
+        _baseline = None
         if handlers.get("env") is handler:
             handlers["env"] = original
         if saved_agent is None:

@@ -294,6 +294,21 @@ def _is_call_wrapper_annotation(annotation: Any) -> bool:
     return False
 
 
+def _resolve(annotation: Any, fn: Callable[..., Any]) -> Any:
+    """Evaluates a string annotation in ``fn``'s globals; the string itself if that fails."""
+    if not isinstance(annotation, str):
+        return annotation
+    namespace = dict(getattr(inspect.unwrap(fn), "__globals__", {}))
+    namespace.setdefault("CallWrapper", CallWrapper)
+    namespace.setdefault("typing", typing)
+    namespace.setdefault("Optional", typing.Optional)
+    namespace.setdefault("Union", typing.Union)
+    try:
+        return eval(annotation, namespace)  # what typing.get_type_hints does, per parameter
+    except Exception:
+        return annotation
+
+
 def call_wrapper_parameters(fn: Callable[..., Any]) -> list[str]:
     """Names of ``fn``'s parameters that receive the :class:`CallWrapper`."""
     try:
@@ -304,7 +319,7 @@ def call_wrapper_parameters(fn: Callable[..., Any]) -> list[str]:
         name
         for name, param in signature.parameters.items()
         if param.kind not in (param.VAR_POSITIONAL, param.VAR_KEYWORD)
-        and _is_call_wrapper_annotation(param.annotation)
+        and _is_call_wrapper_annotation(_resolve(param.annotation, fn))
     ]
 
 

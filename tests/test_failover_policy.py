@@ -105,9 +105,7 @@ class Sim:
         for w in workers:
             r = self.state.workers[w]
             if r.status in (S.RUNNING, S.STOPPING, S.FAILED) and r.incarnation >= 0:
-                self.decide(
-                    P.handle_event, P.WorkerExited(w, r.incarnation, None, signal.SIGTERM)
-                )
+                self.decide(P.handle_event, P.WorkerExited(w, r.incarnation, None, signal.SIGTERM))
 
     def execute(self, actions: list[P.Action]) -> None:
         for a in actions:
@@ -624,7 +622,7 @@ def test_recover_stopped_without_exit_code_fails():
     sim = running_sim()
     bad = sim.state.copy()
     bad.stage = Stage.STOPPED
-    new, actions = P.recover(bad, now=5.0)
+    _, actions = P.recover(bad, now=5.0)
     assert only(actions, P.StopJob).exit_code == P.FAILURE_EXIT_CODE
 
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import datetime
-import multiprocessing
+import os
 import random
 import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 
@@ -408,6 +410,8 @@ def test_filter_detects_inconsistent_terminated_sets():
     st.integers(1, 8),
     st.sampled_from(["shift", "fill"]),
 )
+@example((64, {5, 40}), 4, "shift")
+@example((63, {0}), 8, "fill")
 def test_filter_grouped_by_key_property(job, group_size, kind):
     world_size, terminated = job
     final = ShiftRanks() if kind == "shift" else FillGaps()
@@ -443,7 +447,8 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _process_rank(port: int, rank: int, world_size: int, host: str, out: multiprocessing.Queue):
+def process_rank(port: int, rank: int, world_size: int, host: str) -> None:
+    """One rank with its own store client; publishes its outcome in the store."""
     store = TCPStore(
         host_name="127.0.0.1", port=port, is_master=False, timeout=datetime.timedelta(seconds=30)
     )
@@ -451,45 +456,69 @@ def _process_rank(port: int, rank: int, world_size: int, host: str, out: multipr
     state = State(rank=rank, world_size=world_size, store=store)
     try:
         state, _ = chain(state, {1})
-        out.put((rank, state.rank, state.world_size))
+        outcome = f"{state.rank}/{state.world_size}"
     except RankDiscarded:
-        out.put((rank, None, None))
+        outcome = "discarded"
     except BaseException as ex:
-        out.put((rank, "error", repr(ex)))
+        outcome = f"error: {ex!r}"
+    store.set(f"result/{rank}", outcome)
+
+
+CHILD = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from test_rank_assignment import process_rank
+process_rank(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
+"""
 
 
 def test_filter_over_tcp_store_across_processes():
     port = _free_port()
+    # libuv's server would keep a process-wide pipe open after it is gone
     server = TCPStore(
-        host_name="127.0.0.1", port=port, is_master=True, timeout=datetime.timedelta(seconds=30)
+        host_name="127.0.0.1",
+        port=port,
+        is_master=True,
+        timeout=datetime.timedelta(seconds=30),
+        use_libuv=False,
     )
-    ctx = multiprocessing.get_context("spawn")
-    out = ctx.Queue()
     hosts = ["h0", "h0", "h1", "h1"]
-    # ranks 2, 3 run in child processes; ranks 0, 1 in threads of this one
+    here = os.path.dirname(os.path.abspath(__file__))
+    # ranks 2 and 3 run in child processes, ranks 0 and 1 in threads of this one
     procs = [
-        ctx.Process(target=_process_rank, args=(port, r, 4, hosts[r], out), daemon=True)
+        subprocess.Popen(
+            [sys.executable, "-c", CHILD, here, str(port), str(r), "4", hosts[r]],
+            # quiet torch; a lost DNS packet must not stall a connection for 5 s
+            env={
+                **os.environ,
+                "PYTHONWARNINGS": "ignore",
+                "TORCH_CPP_LOG_LEVEL": "ERROR",
+                "RES_OPTIONS": "timeout:1 attempts:1",
+            },
+        )
         for r in (2, 3)
     ]
     threads = [
-        threading.Thread(target=_process_rank, args=(port, r, 4, hosts[r], out), daemon=True)
+        threading.Thread(target=process_rank, args=(port, r, 4, hosts[r]), daemon=True)
         for r in (0, 1)
     ]
     try:
-        for worker in (*procs, *threads):
-            worker.start()
-        results = {}
-        for _ in range(4):
-            rank, new_rank, size = out.get(timeout=45)
-            results[rank] = (new_rank, size)
+        for thread in threads:
+            thread.start()
+        results = {
+            r: server.wait_for_key(f"result/{r}", datetime.timedelta(seconds=45), 0.05)
+            for r in range(4)
+        }
     finally:
         for proc in procs:
-            proc.join(10)
-            if proc.is_alive():
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
                 proc.kill()
-                proc.join(5)
+                proc.wait(5)
         for thread in threads:
             thread.join(10)
         del server
-    # h0 lost rank 1 -> rank 0 is dropped too; h1 ranks shift down to 0, 1
-    assert results == {0: (None, None), 1: (None, None), 2: (0, 2), 3: (1, 2)}
+    assert [proc.returncode for proc in procs] == [0, 0]
+    # h0 lost rank 1 -> rank 0 is dropped too; h1's ranks shift down to 0 and 1
+    assert results == {0: "discarded", 1: "discarded", 2: "0/2", 3: "1/2"}

@@ -16,6 +16,11 @@ How the controller uses it (one thread, one event at a time)::
         store.save(state)          # before acting: a crash then resumes correctly
         execute(actions)           # in order; each start -> worker_started(...) + save
 
+Whenever a function returns a new state object, save it before acting on it
+(an unchanged state comes back as the same object). ``set_wrapper_managed``
+records, once known, whether failover is warm (role level) or cold (job
+level). Watch the processes, not only the reports: a lost report must not
+leave a dead worker unnoticed; both kinds of event are deduplicated here.
 After its own crash the controller loads the state and calls :func:`recover`.
 
 Decision rules for one event (:func:`handle_event`), in this order:
@@ -254,8 +259,9 @@ Action = StartJob | RelaunchWorker | RelaunchNode | RestartJob | StopJob | Resum
 class Decision(NamedTuple):
     """New state and the actions to execute, in order, after saving it.
 
-    When the only action is :class:`Ignore`, ``state`` is the very object that
-    was passed in: nothing changed and nothing needs saving.
+    When nothing changed (always the case for :class:`Ignore`), ``state`` is
+    the very object that was passed in and need not be saved; otherwise save
+    it before executing ``actions`` (which may be empty).
     """
 
     state: JobState
@@ -321,12 +327,12 @@ def _move_node(state: JobState, node: int, now: float) -> tuple[int, int]:
         state.removed_slots.append(from_slot)
         state.node_slots[node] = to_slot
     state.node_relaunches += 1
-    pass
+    state.node_failures[node] = 0
     state.relaunching_nodes.add(node)
     where = (
         f"from slot {from_slot} to spare slot {to_slot}"
         if spare is not None
-        else (f"in place on slot {from_slot} (no free spare slot)")
+        else f"in place on slot {from_slot} (no free spare slot)"
     )
     state.log_event(
         "node_relaunch",
@@ -756,8 +762,11 @@ def check_state(state: JobState) -> list[str]:
         )
 
     for key in state.handled_failures:
-        w_text, _, inc_text = key.partition(":")
-        w, inc = int(w_text), int(inc_text)
+        try:
+            w, inc = (int(part) for part in key.split(":"))
+        except ValueError:
+            add(f"handled failure {key!r} is not 'worker:incarnation'")
+            continue
         if w not in state.workers or not 0 <= inc <= state.workers[w].incarnation:
             add(f"handled failure {key} names no started incarnation")
     if sum(state.worker_restarts.values()) != len(state.handled_failures):

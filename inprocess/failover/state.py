@@ -272,7 +272,7 @@ class _Reader:
     def field(self, data: dict[str, Any], name: str, where: str = "") -> Any:
         value = data.get(name, _MISSING)
         if value is _MISSING:
-            raise self.fail(f"missing field {where}{name!r}")
+            raise self.fail(f"missing field {where}{name}")
         return value
 
     def int_(self, value: Any, what: str, minimum: int | None = None, nullable=False) -> Any:
@@ -318,8 +318,7 @@ class _Reader:
 
     def int_map(self, value: Any, what: str, convert: Callable[[Any, str], Any]) -> dict[int, Any]:
         return {
-            self.key(k, what): convert(v, f"{what}[{k}]")
-            for k, v in self.dict_(value, what).items()
+            self.key(k, what): convert(v, f"{what}.{k}") for k, v in self.dict_(value, what).items()
         }
 
     def enum_(self, cls: type[enum.Enum], value: Any, what: str) -> Any:
@@ -374,9 +373,10 @@ class _Reader:
         version = data.get("version", _MISSING)
         if type(version) is not int or version != VERSION:
             shown = "missing" if version is _MISSING else repr(version)
+            newer = type(version) is int and version > VERSION
+            hint = " (written by a newer version of inprocess?)" if newer else ""
             raise self.fail(
-                f"'version' is {shown}; this program reads version {VERSION} only "
-                "(was the file written by a newer version?)"
+                f"'version' is {shown}; this program reads version {VERSION} only{hint}"
             )
         names = [f.name for f in dataclasses.fields(JobState)]
         unknown = sorted(k for k in data if k not in (*names, "format", "version"))
@@ -387,59 +387,58 @@ class _Reader:
             return self.field(data, name)
 
         try:
-            spec = JobSpec.from_dict(self.dict_(get("spec"), "'spec'"))
+            spec = JobSpec.from_dict(self.dict_(get("spec"), "spec"))
         except SpecError as ex:
-            raise self.fail(f"field 'spec' is invalid: {ex}") from None
-        job_id = self.str_(get("job_id"), "'job_id'")
+            raise self.fail(f"field spec is invalid: {ex}") from None
+        job_id = self.str_(get("job_id"), "job_id")
         if job_id != spec.job_id:
-            raise self.fail(f"'job_id' {job_id!r} differs from spec.job_id {spec.job_id!r}")
+            raise self.fail(f"field job_id {job_id!r} differs from spec.job_id {spec.job_id!r}")
 
         def nonneg(v: Any, what: str) -> int:
             return self.int_(v, what, 0)
 
-        handled = self.list_(get("handled_failures"), "'handled_failures'")
+        handled = self.list_(get("handled_failures"), "handled_failures")
         for i, key in enumerate(handled):
-            parts = self.str_(key, f"'handled_failures'[{i}]").split(":")
+            parts = self.str_(key, f"handled_failures[{i}]").split(":")
             if len(parts) != 2 or not all(p.isascii() and p.isdigit() for p in parts):
                 raise self.fail(
-                    f"field 'handled_failures'[{i}] must look like 'worker:incarnation', "
-                    f"got {key!r}"
+                    f"field handled_failures[{i}] must look like 'worker:incarnation', got {key!r}"
                 )
         wrapper_managed = get("wrapper_managed")
         if wrapper_managed is not None and not isinstance(wrapper_managed, bool):
             raise self.fail(
-                f"field 'wrapper_managed' must be true, false or null, got {wrapper_managed!r}"
+                f"field wrapper_managed must be true, false or null, got {wrapper_managed!r}"
             )
 
         return JobState(
             job_id=job_id,
             spec=spec,
-            stage=self.enum_(Stage, get("stage"), "'stage'"),
-            generation=nonneg(get("generation"), "'generation'"),
-            job_restarts=nonneg(get("job_restarts"), "'job_restarts'"),
-            node_relaunches=nonneg(get("node_relaunches"), "'node_relaunches'"),
-            node_slots=self.int_map(get("node_slots"), "'node_slots'", nonneg),
+            stage=self.enum_(Stage, get("stage"), "stage"),
+            generation=nonneg(get("generation"), "generation"),
+            job_restarts=nonneg(get("job_restarts"), "job_restarts"),
+            node_relaunches=nonneg(get("node_relaunches"), "node_relaunches"),
+            node_slots=self.int_map(get("node_slots"), "node_slots", nonneg),
             removed_slots=[
-                nonneg(v, f"'removed_slots'[{i}]")
-                for i, v in enumerate(self.list_(get("removed_slots"), "'removed_slots'"))
+                nonneg(v, f"removed_slots[{i}]")
+                for i, v in enumerate(self.list_(get("removed_slots"), "removed_slots"))
             ],
-            node_failures=self.int_map(get("node_failures"), "'node_failures'", nonneg),
-            worker_restarts=self.int_map(get("worker_restarts"), "'worker_restarts'", nonneg),
-            workers=self.int_map(get("workers"), "'workers'", self.record),
+            node_failures=self.int_map(get("node_failures"), "node_failures", nonneg),
+            worker_restarts=self.int_map(get("worker_restarts"), "worker_restarts", nonneg),
+            workers=self.int_map(get("workers"), "workers", self.record),
             handled_failures=set(handled),
             relaunching_nodes={
-                nonneg(v, f"'relaunching_nodes'[{i}]")
-                for i, v in enumerate(self.list_(get("relaunching_nodes"), "'relaunching_nodes'"))
+                nonneg(v, f"relaunching_nodes[{i}]")
+                for i, v in enumerate(self.list_(get("relaunching_nodes"), "relaunching_nodes"))
             },
             wrapper_managed=wrapper_managed,
-            store=copy.deepcopy(self.dict_(get("store"), "'store'")),
-            exit_code=self.int_(get("exit_code"), "'exit_code'", nullable=True),
-            reason=self.str_(get("reason"), "'reason'", nullable=True),
+            store=copy.deepcopy(self.dict_(get("store"), "store")),
+            exit_code=self.int_(get("exit_code"), "exit_code", nullable=True),
+            reason=self.str_(get("reason"), "reason", nullable=True),
             events=[
-                self.event(v, f"'events'[{i}]")
-                for i, v in enumerate(self.list_(get("events"), "'events'"))
+                self.event(v, f"events[{i}]")
+                for i, v in enumerate(self.list_(get("events"), "events"))
             ],
-            updated_at=self.float_(get("updated_at"), "'updated_at'", nullable=True),
+            updated_at=self.float_(get("updated_at"), "updated_at", nullable=True),
         )
 
 

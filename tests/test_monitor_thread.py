@@ -1,0 +1,267 @@
+"""The in-process machinery: asynchronous exceptions, the monitor thread, the watchdog."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+from inprocess.monitor_thread import (
+    InterruptSignal,
+    MonitorThread,
+    RankShouldRestart,
+    async_raise,
+    exception_with_message,
+    reraise_if_unraisable,
+)
+from inprocess.progress_watchdog import ProgressBoard, ProgressWatchdog
+from inprocess.store import StoreMixin
+
+
+class HashStore(dist.HashStore, StoreMixin):
+    """A real in-memory torch store with the Wrapper protocol."""
+
+
+class Boom(BaseException):
+    pass
+
+
+def spin(seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+
+
+def test_async_raise_interrupts_running_bytecode():
+    main = threading.get_ident()
+    timer = threading.Timer(0.05, async_raise, args=(main, Boom))
+    timer.start()
+    with pytest.raises(Boom):
+        spin(5)
+    timer.join()
+
+
+def test_async_raise_validates_arguments():
+    with pytest.raises(TypeError):
+        async_raise(threading.get_ident(), Boom())  # an instance, not a type
+    with pytest.raises(ValueError, match="no thread"):
+        async_raise(123456789, Boom)
+    async_raise(threading.get_ident(), None)  # cancelling nothing is fine
+
+
+def test_exception_with_message():
+    exc = exception_with_message(RankShouldRestart, "soft timeout")
+    assert issubclass(exc, RankShouldRestart)
+    assert str(exc()) == "soft timeout"
+
+
+class RaisesInDel:
+    def __del__(self):
+        raise Boom("lost in __del__")
+
+
+def test_exception_lost_in_del_is_reraised():
+    with pytest.raises(Boom), reraise_if_unraisable(Boom):
+        RaisesInDel()  # the exception is "unraisable": printed and dropped by CPython
+        gc.collect()
+        spin(1)  # ... and raised again here, at the next bytecode
+    assert threading.current_thread() is threading.main_thread()
+
+
+def test_reraise_if_unraisable_as_decorator_passes_other_exceptions_on():
+    seen = []
+    previous = __import__("sys").unraisablehook
+
+    class Other(Exception):
+        pass
+
+    class RaisesOther:
+        def __del__(self):
+            raise Other("not ours")
+
+    import sys
+
+    sys.unraisablehook = lambda u: seen.append(type(u.exc_value))
+    try:
+
+        @reraise_if_unraisable(Boom)
+        def f():
+            RaisesOther()
+            gc.collect()
+
+        f()
+    finally:
+        sys.unraisablehook = previous
+    assert seen == [Other]
+    assert sys.unraisablehook is previous
+
+
+def test_interrupt_signal_breaks_a_blocking_sleep():
+    interrupt = InterruptSignal()
+    interrupt.install()
+    main = threading.get_ident()
+
+    def fire():
+        async_raise(main, Boom)
+        interrupt.send(main)
+
+    timer = threading.Timer(0.1, fire)
+    try:
+        timer.start()
+        start = time.monotonic()
+        with pytest.raises(Boom):
+            time.sleep(30)  # the GIL is released; no bytecode runs until the signal
+        assert time.monotonic() - start < 5
+    finally:
+        timer.join()
+        interrupt.uninstall()
+
+
+def make_monitor(store, **kw):
+    lock = threading.RLock()
+    aborted = []
+    params = dict(
+        store=store,
+        identity="0/test",
+        target_thread_id=threading.get_ident(),
+        lock=lock,
+        interval=0.01,
+        last_call_wait=0.0,
+        soft_timeout=60.0,
+        stalled_for=lambda: 0.0,
+        abort=lambda state: aborted.append(time.monotonic()),
+        interrupt=InterruptSignal(),
+    )
+    params.update(kw)
+    monitor = MonitorThread(**params)
+    monitor.start()
+    return monitor, lock, aborted
+
+
+def test_monitor_interrupts_on_a_recorded_fault_and_stops_after_disarm():
+    store = HashStore()
+    monitor, _lock, aborted = make_monitor(store)
+    try:
+        armed = monitor.arm(0, store.fault_count(), state=None)
+        with pytest.raises(RankShouldRestart):
+            store.record_fault("1/x", "boom")
+            spin(5)
+        armed.acked = True
+        monitor.disarm()
+        assert aborted, "abort must run"
+        assert store.outcome(0) == "fault"
+        spin(0.2)  # nothing more may arrive once disarmed
+    finally:
+        monitor.shutdown()
+
+
+def test_monitor_keeps_raising_until_acknowledged():
+    store = HashStore()
+    monitor, _lock, _ = make_monitor(store)
+    swallowed = 0
+    try:
+        monitor.arm(0, store.fault_count(), state=None)
+        store.record_fault("1/x", "boom")
+        end = time.monotonic() + 5
+        with pytest.raises(RankShouldRestart):
+            while time.monotonic() < end:
+                try:
+                    spin(5)
+                except RankShouldRestart:
+                    swallowed += 1  # user code that swallows it...
+                    if swallowed == 3:
+                        raise  # ... until it finally lets it through
+    finally:
+        monitor.disarm()
+        monitor.shutdown()
+    assert swallowed == 3
+
+
+def test_fault_after_completion_is_ignored():
+    store = HashStore()
+    monitor, _lock, aborted = make_monitor(store)
+    try:
+        monitor.arm(0, store.fault_count(), state=None)
+        assert store.decide_outcome(0, "completed") == "completed"
+        store.record_fault("1/x", "late")
+        spin(0.3)  # no exception: the iteration completed first
+        assert not aborted
+    finally:
+        monitor.disarm()
+        monitor.shutdown()
+
+
+def test_atomic_block_is_never_interrupted():
+    store = HashStore()
+    monitor, lock, aborted = make_monitor(store)
+    try:
+        monitor.arm(0, store.fault_count(), state=None)
+        with pytest.raises(RankShouldRestart):
+            with lock:  # what CallWrapper.atomic() holds
+                store.record_fault("1/x", "boom")
+                spin(0.3)
+                inside_done = time.monotonic()
+            spin(5)
+        assert aborted and aborted[0] >= inside_done
+    finally:
+        monitor.disarm()
+        monitor.shutdown()
+
+
+def test_atomic_refuses_to_start_once_a_restart_began():
+    import inprocess
+
+    store = HashStore()
+    call = inprocess.CallWrapper(inprocess.Wrapper())
+    monitor, _, _ = make_monitor(store, lock=call._lock)
+    call._monitor = monitor
+    try:
+        monitor.arm(0, store.fault_count(), state=None)
+        store.record_fault("1/x", "boom")
+        with pytest.raises(RankShouldRestart):
+            spin(5)
+        assert monitor.restart_in_progress
+        with pytest.raises(RankShouldRestart), call.atomic():
+            pytest.fail("entered an atomic block during a restart")
+    finally:
+        monitor.disarm()
+        monitor.shutdown()
+
+
+def test_soft_timeout_records_a_fault():
+    store = HashStore()
+    monitor, _, _ = make_monitor(store, soft_timeout=0.05, stalled_for=lambda: 1.0)
+    try:
+        monitor.arm(0, store.fault_count(), state=None)
+        with pytest.raises(RankShouldRestart):
+            spin(5)
+        assert any("soft timeout" in f["reason"] for f in store.fault_log())
+    finally:
+        monitor.disarm()
+        monitor.shutdown()
+
+
+def test_progress_watchdog_sees_a_blocked_main_thread():
+    board = ProgressBoard()
+    watchdog = ProgressWatchdog(0.01, board)
+    watchdog.start()
+    try:
+        spin(0.1)
+        assert watchdog.stalled_for() < 0.1
+        time.sleep(0.4)  # blocked in C: no pending call can run
+        assert watchdog.stalled_for() > 0.3
+        assert time.monotonic() - board.last_progress() > 0.3
+        spin(0.1)
+        assert watchdog.stalled_for() < 0.1
+        watchdog.ping()
+        time.sleep(0.2)
+        spin(0.05)  # automatic heartbeats are fresh, the manual one is not
+        assert watchdog.stalled_for() > 0.15
+        watchdog.reset(1)
+        assert watchdog.stalled_for() < 0.05
+    finally:
+        watchdog.shutdown()
+        board.close()

@@ -1,0 +1,157 @@
+"""In-process restart across real rank processes (gloo on CPU)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from launcher import run_job
+
+pytestmark = pytest.mark.slow
+
+# Fast polling, generous deadlines: correctness on a noisy 2-core machine.
+FAST = {
+    "monitor_thread_interval": 0.05,
+    "monitor_process_interval": 0.05,
+    "progress_watchdog_interval": 0.05,
+    "soft_timeout": 30,
+    "hard_timeout": 45,
+    "heartbeat_timeout": 20,
+    "barrier_timeout": 90,
+    "completion_timeout": 60,
+    "last_call_wait": 0.05,
+    "termination_grace_time": 1,
+}
+
+
+def spec(**kw):
+    s = {"wrapper": dict(FAST), "steps": 6}
+    s.update(kw)
+    return s
+
+
+def assert_completed(result, world, iterations, alive=None):
+    """Every surviving rank returned the right value from the final iteration."""
+    alive = range(world) if alive is None else alive
+    for rank in alive:
+        assert result.ranks[rank].returncode == 0, result.describe()
+        returned = result.report(rank)["returned"]
+        assert returned is not None, result.describe()
+        assert returned["iteration"] == iterations, result.describe()
+        size = len(list(alive))
+        assert returned["world"] == size
+        assert returned["sum"] == size * (size + 1) / 2  # all_reduce of rank+1
+    assert sorted(result.report(r)["returned"]["rank"] for r in alive) == list(range(len(list(alive))))
+    assert not result.leftovers, f"processes left behind: {result.leftovers}"
+
+
+def successive_faults(world, count, seed):
+    """``count`` faults on different random ranks at random steps, cycling the modes."""
+    rng = random.Random(seed)
+    modes = ["allreduce", "barrier", "python"]
+    faults = []
+    for i in range(count):
+        faults.append(
+            {
+                "iteration": i,
+                "rank": rng.randrange(world),
+                "step": rng.randrange(1, 5),
+                "kind": "raise",
+                "others": modes[i % 3],
+            }
+        )
+    return faults
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("world", "faults"), [(1, 3), (2, 3), (4, 4), (8, 3)])
+def test_successive_exceptions_recovered_without_losing_a_rank(tmp_path, world, faults):
+    result = run_job(
+        "scenario.py",
+        world,
+        tmp_path,
+        spec(faults=successive_faults(world, faults, seed=world), python_step_seconds=0.1),
+        timeout=200,
+    )
+    assert_completed(result, world, iterations=faults)
+    # Where the others were when interrupted: inside the collective or in Python code.
+    for rank in range(world):
+        interrupted = [e for e in result.report(rank)["events"] if e["kind"] == "interrupted"]
+        assert len(interrupted) == faults, result.describe()
+
+
+@pytest.mark.timeout(120)
+def test_retry_controller_limit_ends_every_rank_with_restart_abort(tmp_path):
+    faults = [
+        {"iteration": i, "rank": 1, "step": 1, "kind": "raise", "others": "allreduce"}
+        for i in range(10)
+    ]
+    result = run_job("scenario.py", 3, tmp_path, spec(faults=faults, max_iterations=3), timeout=100)
+    for rank in range(3):
+        report = result.report(rank)
+        assert result.ranks[rank].returncode != 0
+        assert report["exception"] == "RestartAbort", result.describe()
+        starts = [e for e in report["events"] if e["kind"] == "start"]
+        assert len(starts) == 3  # iterations 0, 1, 2 ran; iteration 3 was refused
+    assert not result.leftovers
+
+
+@pytest.mark.timeout(120)
+def test_initialize_exception_restarts_and_base_exception_ends_the_rank(tmp_path):
+    result = run_job(
+        "scenario.py",
+        3,
+        tmp_path,
+        spec(
+            initialize_fails={
+                "1": {"iterations": [0], "kind": "exception"},
+                "2": {"iterations": [1], "kind": "base"},
+            }
+        ),
+        timeout=100,
+    )
+    # iteration 0: rank 1's initialize raised -> restart; iteration 1: rank 2 gave up
+    assert result.report(2)["exception"] == "RestartAbort"
+    assert result.ranks[2].returncode != 0
+    assert_completed(result, 3, iterations=2, alive=[0, 1])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("callback", ["finalize_fails", "unhealthy", "abort_fails"])
+def test_failing_callback_excludes_the_rank(tmp_path, callback):
+    faults = [{"iteration": 0, "rank": 0, "step": 2, "kind": "raise", "others": "allreduce"}]
+    result = run_job("scenario.py", 4, tmp_path, spec(faults=faults, **{callback: [2]}), timeout=100)
+    assert result.ranks[2].returncode != 0
+    expected = {
+        "finalize_fails": "RuntimeError",
+        "unhealthy": "HealthCheckError",
+        "abort_fails": "RuntimeError",
+    }[callback]
+    assert result.report(2)["exception"] == expected, result.describe()
+    assert_completed(result, 4, iterations=1, alive=[0, 1, 3])
+    if callback == "unhealthy":
+        # the health check ran after the fault on every rank, before the restart
+        for rank in (0, 1, 3):
+            checks = [e for e in result.report(rank)["events"] if e["kind"] == "health_check"]
+            assert any(c["after_fault"] for c in checks)
+
+
+@pytest.mark.timeout(120)
+def test_failing_rank_assignment_excludes_the_rank(tmp_path):
+    faults = [{"iteration": 0, "rank": 3, "step": 2, "kind": "raise", "others": "allreduce"}]
+    result = run_job(
+        "scenario.py", 4, tmp_path, spec(faults=faults, assignment_fails=[1]), timeout=100
+    )
+    assert result.report(1)["exception"] == "RuntimeError"
+    assert_completed(result, 4, iterations=1, alive=[0, 2, 3])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("kind", "exception"), [("keyboard", "KeyboardInterrupt"), ("exit", "SystemExit")])
+def test_keyboard_interrupt_and_system_exit_end_the_wrapper(tmp_path, kind, exception):
+    faults = [{"iteration": 0, "rank": 1, "step": 2, "kind": kind, "others": "allreduce"}]
+    result = run_job("scenario.py", 3, tmp_path, spec(faults=faults), timeout=100)
+    assert result.report(1)["exception"] == exception
+    assert result.ranks[1].returncode != 0
+    # the others go on without it
+    assert_completed(result, 3, iterations=1, alive=[0, 2])
