@@ -55,17 +55,21 @@ class AbortTorchDistributed(Abort):
         from .gloo_abort import release_blocked_collectives
         from .user_rendezvous import release_rendezvous_connections
 
+        # Order matters: the gloo release reads the peers' addresses through the
+        # group's store connection, which the rendezvous release then breaks.
         with self._lock:
-            try:
-                release_rendezvous_connections()
-            except Exception:
-                log.exception("releasing rendezvous connections failed")
-            if dist.is_available() and dist.is_initialized():
+            initialized = dist.is_available() and dist.is_initialized()
+            if initialized:
                 try:
                     release_blocked_collectives(self.store_read_timeout)
                 except Exception:
                     log.exception("releasing gloo collectives failed")
                 _abort_nccl()
+            try:
+                release_rendezvous_connections()
+            except Exception:
+                log.exception("releasing rendezvous connections failed")
+            if initialized:
                 try:
                     dist.destroy_process_group()
                 except (ValueError, AssertionError, RuntimeError) as ex:

@@ -18,6 +18,9 @@ def _common_base(instances: tuple[Any, ...]) -> type:
     return object
 
 
+_classes: dict[tuple[type, type], type] = {}
+
+
 class Compose:
     """Chains callables of one kind into one callable of that kind.
 
@@ -43,11 +46,14 @@ class Compose:
         if base is object or issubclass(base, Compose):
             klass = cls
         else:
-            # A class that is both a Compose and the common base; __call__ comes
-            # from Compose (first in the MRO), which satisfies abstract bases.
-            klass = type(f"Compose[{base.__name__}]", (cls, base), {})
-            if isinstance(base, abc.ABCMeta):
-                klass.__abstractmethods__ = frozenset()
+            klass = _classes.get((cls, base))
+            if klass is None:
+                # A class that is both a Compose and the common base; __call__
+                # comes from Compose (first in the MRO), satisfying abstract bases.
+                klass = type(f"Compose[{base.__name__}]", (cls, base), {})
+                if isinstance(base, abc.ABCMeta):
+                    klass.__abstractmethods__ = frozenset()
+                _classes[(cls, base)] = klass
         self = object.__new__(klass)
         self._fns = tuple(fns)
         return self

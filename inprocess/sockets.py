@@ -13,10 +13,13 @@ read during process group initialization). Two rules make it safe:
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
 import struct
 from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
 
 TCP_ESTABLISHED = "01"
 TCP_LISTEN = "0A"
@@ -110,5 +113,6 @@ def shutdown_sockets(sockets: list[TcpSocket]) -> int:
     for sock in sockets:
         fd = fds.get(sock.inode)
         if fd is not None and shutdown_socket(sock.inode, fd):
+            log.debug("shut down fd %d: %s", fd, sock)
             count += 1
     return count

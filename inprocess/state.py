@@ -94,6 +94,11 @@ class State:
 
     def apply_active_world_size(self) -> None:
         """Derives :attr:`mode` from :attr:`active_world_size`: the first ranks are active."""
+        if not isinstance(self.active_world_size, int):
+            raise ValueError(
+                f"active_world_size must be an int in [0, {self.world_size}], "
+                f"got {self.active_world_size!r}"
+            )
         if not 0 <= self.active_world_size <= self.world_size:
             raise ValueError(
                 f"active_world_size must be in [0, {self.world_size}], got {self.active_world_size}"

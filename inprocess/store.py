@@ -278,16 +278,18 @@ class StoreMixin:
             raise StoreError(f"{identity} is not a participant of rendezvous {name!r}")
         if "\n" in value:
             raise ValueError("rendezvous values must be single-line")
-        self._arrive(name, identity, value, len(members))
         done_key = f"{name}/done"
+        # The last to arrive decides at once; waiters poll two keys: the
+        # decision, and the terminated epoch (a death may complete the
+        # rendezvous without its arrival).
+        complete = self._arrive(name, identity, value, len(members))
         deadline = time.monotonic() + timeout.total_seconds()
         poller = Poller(poll_limit)
         seen_epoch = -1
         while True:
-            if self.check([done_key]):
-                return _to_str(self.get(done_key))
-            complete = self.counter(f"{name}/count") >= len(members)
             if not complete:
+                if self.check([done_key]):
+                    return _to_str(self.get(done_key))
                 epoch = self.terminated_epoch()
                 if epoch != seen_epoch:
                     seen_epoch = epoch
@@ -304,16 +306,19 @@ class StoreMixin:
                 on_wait()
             poller.sleep(deadline)
 
-    def _arrive(self, name: str, identity: str, value: str, size: int) -> None:
+    def _arrive(self, name: str, identity: str, value: str, size: int) -> bool:
+        """Arrives once; returns whether this arrival was the last one."""
         # set_once makes arrival idempotent (a rank and an observer acting for it
         # count once). The value is appended before the counter is raised, so a
         # decider that sees the full count also sees every value.
         won, _ = self.set_once(f"{name}/arrived/{identity}", uuid.uuid4().hex)
-        if won:
-            self.append(f"{name}/arrivals", f"{identity}={value}\n")
-            count = int(self.add(f"{name}/count", 1))
-            if count > size:
-                raise BarrierOverflow(f"rendezvous {name!r}: {count} arrivals for {size}")
+        if not won:
+            return False
+        self.append(f"{name}/arrivals", f"{identity}={value}\n")
+        count = int(self.add(f"{name}/count", 1))
+        if count > size:
+            raise BarrierOverflow(f"rendezvous {name!r}: {count} arrivals for {size}")
+        return count == size
 
     def _arrivals(self, name: str) -> dict[str, str]:
         arrivals: dict[str, str] = {}
@@ -436,8 +441,8 @@ class TCPStore(dist.TCPStore, StoreMixin):
             if env_port is None:
                 raise StoreError("TCPStore needs port or the MASTER_PORT environment variable")
             port = int(env_port)
-        if not 0 < int(port) < 65536:
-            raise ValueError(f"port must be in [1, 65535], got {port}")
+        if not 0 <= int(port) < 65536:
+            raise ValueError(f"port must be in [0, 65535] (0: any free port), got {port}")
         if is_master is None:
             is_master = not externally_hosted() and int(os.environ.get("RANK", "0")) == 0
         try:

@@ -44,7 +44,9 @@ from typing import Any
 
 from . import monitor_thread as _mt
 from .abort import Abort, AbortTorchDistributed
+from .compose import Compose
 from .exception import InternalError
+from .exception import TimeoutError as RestartTimeoutError
 from .finalize import Finalize
 from .health_check import HealthCheck
 from .initialize import Initialize
@@ -72,6 +74,12 @@ _call_counter = itertools.count()
 # The poll interval of barriers inside the restart procedure: short waits that
 # everybody is blocked on, so they poll fast (backing off up to this).
 _RESTART_POLL_LIMIT = 0.02
+
+
+def _compose_sequence(value: Any) -> Any:
+    if isinstance(value, (tuple, list)) and value and all(callable(v) for v in value):
+        return value[0] if len(value) == 1 else Compose(*value)
+    return value
 
 
 def _check_type(name: str, value: Any, types_: tuple[type, ...] | type, allowed: str) -> None:
@@ -148,6 +156,12 @@ class Wrapper:
             abort = AbortTorchDistributed()
         if rank_assignment is _UNSET:
             rank_assignment = ShiftRanks()
+        # A tuple (or list) of callbacks is their composition; this also accepts
+        # the seed's ``rank_assignment=(Compose(...),)``.
+        initialize, abort, finalize, health_check, rank_assignment, rank_filter = (
+            _compose_sequence(c)
+            for c in (initialize, abort, finalize, health_check, rank_assignment, rank_filter)
+        )
         if heartbeat_interval is None:
             heartbeat_interval = monitor_process_interval
 
@@ -605,6 +619,11 @@ class CallWrapper:
             state, unhandled = self.wrapper.rank_assignment(state, terminated_ranks)
         except RankDiscarded:
             return "discard", previous
+        except RestartTimeoutError as ex:
+            # A rank died during an exchange inside the assignment (e.g.
+            # FilterGroupedByKey): the barrier decides whether to retry without it.
+            log.warning("%s: rank assignment timed out: %s", self.identity, ex)
+            return "timeout", previous
         except Exception:
             self._terminate_self("rank assignment failed")
             raise
@@ -853,6 +872,9 @@ def _decide_membership(
     """The iteration barrier's decision: the ordered membership, or a retry."""
     if terminated:
         return json.dumps({"retry": sorted(terminated)})
+    timed_out = sorted(i for i, v in arrivals.items() if v == "timeout")
+    if timed_out:
+        return json.dumps({"error": f"rank assignment timed out on {timed_out}"})
     slots: dict[int, str] = {}
     admitted = []
     for identity, value in arrivals.items():

@@ -17,10 +17,23 @@ def _fds() -> set[int]:
 
 
 def _handlers() -> dict[str, int]:
-    loggers = [logging.getLogger()] + [
-        logging.getLogger(name) for name in list(logging.root.manager.loggerDict)
-    ]
-    return {lg.name: len(lg.handlers) for lg in loggers if isinstance(lg, logging.Logger)}
+    """Handlers of the root logger and of ours (torch configures its own lazily)."""
+    names = [n for n in list(logging.root.manager.loggerDict) if n.startswith("inprocess")]
+    loggers = [logging.getLogger(), *(logging.getLogger(n) for n in names)]
+    return {lg.name: len(lg.handlers) for lg in loggers}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _warm_up_one_time_resources():
+    """Process-wide resources created once (libuv's signal pipes of the TCPStore
+    server) must not be blamed on the first test that happens to create them."""
+    import torch.distributed as dist
+
+    from launcher import free_port
+
+    server = dist.TCPStore("127.0.0.1", free_port(), None, True, use_libuv=True)
+    del server
+    yield
 
 
 @pytest.fixture(autouse=True)

@@ -104,6 +104,8 @@ class Job:
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(self.port),
             PYTHONWARNINGS="ignore:Failed to initialize NumPy",
+            # torch's store server resolves client names; never wait long on DNS.
+            RES_OPTIONS="timeout:1 attempts:1",
             PYTHONPATH=f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}",
             INPROCESS_TEST_SPEC=json.dumps(self.spec),
         )

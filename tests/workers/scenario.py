@@ -206,7 +206,8 @@ def train(call_wrapper: inprocess.CallWrapper = None) -> dict[str, Any]:
     event("ready", iteration=iteration, rank=rank, world=world)
     fault = fault_for(iteration)
     mode = fault["others"] if fault else SPEC.get("mode", "allreduce")
-    steps = SPEC.get("steps", 5)
+    steps = SPEC.get("steps", 5) if iteration == 0 else SPEC.get("steps_after_restart", SPEC.get("steps", 5))
+    (Path(SPEC["report_dir"]) / f"started{INITIAL_RANK}_{iteration}").touch()
     ping = SPEC.get("ping", False)
     total = 0.0
     step = 0
@@ -220,6 +221,8 @@ def train(call_wrapper: inprocess.CallWrapper = None) -> dict[str, Any]:
                 t = torch.full((1024,), float(rank + 1))
                 dist.all_reduce(t)
                 total = t[0].item()
+                if SPEC.get("step_sleep"):
+                    time.sleep(SPEC["step_sleep"])
             elif mode == "barrier":
                 dist.barrier()
             else:  # python

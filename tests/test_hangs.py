@@ -1,0 +1,186 @@
+"""Hangs and lost ranks: soft and hard timeouts, heartbeats, dead processes (issue 3)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import psutil
+import pytest
+from launcher import Job
+
+pytestmark = pytest.mark.slow
+
+SOFT, HARD, GRACE, HEARTBEAT = 3.0, 6.0, 1.0, 4.0
+MARGIN = 1.5  # the issue's bound on top of each timeout
+
+TIMED = {
+    "monitor_thread_interval": 0.05,
+    "monitor_process_interval": 0.05,
+    "progress_watchdog_interval": 0.05,
+    "soft_timeout": SOFT,
+    "hard_timeout": HARD,
+    "heartbeat_timeout": HEARTBEAT,
+    "barrier_timeout": 60,
+    "completion_timeout": 60,
+    "last_call_wait": 0.05,
+    "termination_grace_time": GRACE,
+}
+
+WORLD = 4
+VICTIM = 2
+
+
+def spec(**kw):
+    s = {"wrapper": dict(TIMED), "steps": 8, "steps_after_restart": 4}
+    s.update(kw)
+    return s
+
+
+def ready_after(result, fault_time, iteration=1):
+    """Per surviving rank: seconds from the fault to being ready in ``iteration``."""
+    delays = {}
+    for rank in range(WORLD):
+        report = result.ranks[rank].report
+        if report is None:
+            continue
+        ready = [
+            e["time"]
+            for e in report["events"]
+            if e["kind"] == "ready" and e["iteration"] == iteration
+        ]
+        if ready:
+            delays[rank] = ready[0] - fault_time
+    return delays
+
+
+def check_only_victim_lost(result, lost=True):
+    survivors = [r for r in range(WORLD) if r != VICTIM] if lost else list(range(WORLD))
+    for rank in survivors:
+        assert result.ranks[rank].returncode == 0, result.describe()
+        returned = result.report(rank)["returned"]
+        assert returned["world"] == len(survivors), result.describe()
+        assert returned["sum"] == len(survivors) * (len(survivors) + 1) / 2
+    if lost:
+        assert result.ranks[VICTIM].returncode != 0, result.describe()
+    assert not result.leftovers, f"orphans: {result.leftovers}"
+
+
+def run_with_fault(tmp_path, kind, **kw):
+    faults = [{"iteration": 0, "rank": VICTIM, "step": 3, "kind": kind, "others": "allreduce"}]
+    with Job("scenario.py", WORLD, tmp_path, spec(faults=faults, **kw)) as job:
+        result = job.wait(90)
+    fault_time = json.loads((tmp_path / f"fault{VICTIM}.json").read_text())["time"]
+    return result, fault_time
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("kind", ["sleep", "socket"])
+def test_hang_with_gil_released_is_recovered_in_process(tmp_path, kind):
+    result, fault_time = run_with_fault(tmp_path, kind)
+    check_only_victim_lost(result, lost=False)  # the hung rank is brought back, not killed
+    delays = ready_after(result, fault_time)
+    assert len(delays) == WORLD
+    assert max(delays.values()) < SOFT + MARGIN, delays
+    interrupted = [
+        e for e in result.report(VICTIM)["events"] if e["kind"] == "interrupted"
+    ]
+    assert interrupted[0]["exception"] == "RankShouldRestart"
+
+
+@pytest.mark.timeout(150)
+def test_hang_with_gil_held_is_killed_by_the_hard_timeout(tmp_path):
+    result, fault_time = run_with_fault(tmp_path, "gil")
+    check_only_victim_lost(result)
+    assert result.ranks[VICTIM].returncode == -signal.SIGTERM
+    delays = ready_after(result, fault_time)
+    assert set(delays) == {0, 1, 3}
+    assert max(delays.values()) < HARD + GRACE + MARGIN, delays
+    # the healthy ranks were stuck in the collective with it, yet none was killed
+    assert min(delays.values()) > HARD - 1
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("kind", ["kill", "segfault"])
+def test_dead_rank_is_detected_at_once(tmp_path, kind):
+    result, fault_time = run_with_fault(tmp_path, kind)
+    check_only_victim_lost(result)
+    delays = ready_after(result, fault_time)
+    assert set(delays) == {0, 1, 3}
+    assert max(delays.values()) < MARGIN, delays
+
+
+def wait_for(path_pattern, job, timeout=60):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all((job.workdir / path_pattern.format(rank=r)).exists() for r in range(WORLD)):
+            return time.monotonic()
+        time.sleep(0.01)
+    raise AssertionError("ranks did not start")
+
+
+def external_fault(tmp_path, action):
+    """Runs a long iteration 0 and applies ``action(job)`` to rank 2 from outside."""
+    with Job(
+        "scenario.py", WORLD, tmp_path, spec(steps=100000, steps_after_restart=4)
+    ) as job:
+        wait_for("started{rank}_0", job)
+        time.sleep(0.3)  # everyone is inside all_reduce steps now
+        fault_time = time.monotonic()
+        action(job)
+        result = job.wait(90)
+    return result, fault_time
+
+
+@pytest.mark.timeout(150)
+def test_sigkill_from_outside(tmp_path):
+    result, fault_time = external_fault(
+        tmp_path, lambda job: os.kill(job.pid(VICTIM), signal.SIGKILL)
+    )
+    check_only_victim_lost(result)
+    assert result.ranks[VICTIM].returncode == -signal.SIGKILL
+    delays = ready_after(result, fault_time)
+    assert set(delays) == {0, 1, 3} and max(delays.values()) < MARGIN, delays
+
+
+@pytest.mark.timeout(150)
+def test_sigstop_from_outside_is_killed_by_the_hard_timeout(tmp_path):
+    result, fault_time = external_fault(
+        tmp_path, lambda job: os.kill(job.pid(VICTIM), signal.SIGSTOP)
+    )
+    check_only_victim_lost(result)
+    delays = ready_after(result, fault_time)
+    assert set(delays) == {0, 1, 3} and max(delays.values()) < HARD + GRACE + MARGIN, delays
+
+
+@pytest.mark.timeout(150)
+def test_lost_rank_and_monitor_detected_by_heartbeats(tmp_path):
+    """Process and monitor die together (a lost node): the peers' monitors notice."""
+
+    def kill_both(job):
+        rank = psutil.Process(job.pid(VICTIM))
+        victims = [rank, *rank.children(recursive=True)]
+        assert len(victims) == 2, victims  # the rank and its monitor process
+        for p in victims:
+            p.send_signal(signal.SIGSTOP)  # freeze both at once...
+        for p in victims:
+            p.kill()  # ... then kill: nobody gets to report
+
+    result, fault_time = external_fault(tmp_path, kill_both)
+    check_only_victim_lost(result)
+    delays = ready_after(result, fault_time)
+    assert set(delays) == {0, 1, 3}
+    assert max(delays.values()) < HEARTBEAT + MARGIN, delays
+
+
+@pytest.mark.timeout(150)
+def test_manual_ping_timeout_catches_a_busy_loop(tmp_path):
+    """A rank that runs bytecode but makes no progress is seen by the manual timeout."""
+    result, fault_time = run_with_fault(tmp_path, "busy", ping=True)
+    check_only_victim_lost(result, lost=False)
+    delays = ready_after(result, fault_time)
+    assert len(delays) == WORLD and max(delays.values()) < SOFT + MARGIN, delays
+    interrupted = [e for e in result.report(VICTIM)["events"] if e["kind"] == "interrupted"]
+    assert interrupted[0]["exception"] == "RankShouldRestart"
