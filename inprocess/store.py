@@ -58,18 +58,46 @@ log = logging.getLogger(__name__)
 AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
 #: environment variable with the key namespace of this job (set by ``inprocess-run``)
 NAMESPACE_ENV = "INPROCESS_STORE_NAMESPACE"
+#: environment variable with the number of this process among the worker's starts
+INCARNATION_ENV = "INPROCESS_WORKER_INCARNATION"
 
 _SEP = ","
 
 
-def new_identity(initial_rank: int) -> str:
-    """A process-unique identity for ``initial_rank``."""
-    return f"{initial_rank}/{uuid.uuid4().hex[:12]}"
+def new_identity(initial_rank: int, incarnation: int = 0) -> str:
+    """A process-unique identity: ``"<initial rank>/<incarnation>.<random>"``."""
+    return f"{initial_rank}/{incarnation}.{uuid.uuid4().hex[:10]}"
 
 
 def initial_rank_of(identity: str) -> int:
     """The initial rank encoded in an identity."""
     return int(identity.split("/", 1)[0])
+
+
+def incarnation_of(identity: str) -> int:
+    """The worker incarnation encoded in an identity (0 outside a launcher)."""
+    return int(identity.split("/", 1)[1].split(".", 1)[0])
+
+
+def job_namespace() -> str:
+    """The store key space of this job (and generation): every process of it must agree.
+
+    ``inprocess-run`` sets ``INPROCESS_STORE_NAMESPACE``; under torchrun each
+    restart attempt gets its own (its run id and restart count), so a restarted
+    attempt never reads the keys of the previous one.
+    """
+    explicit = os.environ.get(NAMESPACE_ENV)
+    if explicit:
+        return explicit
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id:
+        return f"torchelastic/{run_id}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    return "default"
+
+
+def incarnation_from_env() -> int:
+    value = os.environ.get(INCARNATION_ENV)
+    return int(value) if value else 0
 
 
 class BarrierTimeout(RestartTimeoutError):

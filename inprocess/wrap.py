@@ -57,11 +57,12 @@ from .rank_assignment import RankAssignment, RankDiscarded, ShiftRanks
 from .rank_filter import RankFilter
 from .state import Mode, State
 from .store import (
-    NAMESPACE_ENV,
     PrefixStore,
     StoreMixin,
     TCPStore,
+    incarnation_from_env,
     initial_rank_of,
+    job_namespace,
     new_identity,
 )
 from .user_rendezvous import fresh_env_rendezvous
@@ -408,7 +409,7 @@ class CallWrapper:
                 "torch.distributed is already initialized: the wrapped function must "
                 "initialize it itself (it is aborted and initialized again on every restart)"
             )
-        self.identity = new_identity(self.state.initial_rank)
+        self.identity = new_identity(self.state.initial_rank, incarnation_from_env())
         with contextlib.ExitStack() as cleanup:
             self._start(cleanup)
             if self._joining():
@@ -441,12 +442,12 @@ class CallWrapper:
     def _start(self, cleanup: contextlib.ExitStack) -> None:
         w = self.wrapper
         seconds = _seconds(w)
-        self.namespace = (
-            f"inprocess/{os.environ.get(NAMESPACE_ENV) or 'default'}/call{next(_call_counter)}"
-        )
+        self.namespace = f"inprocess/{job_namespace()}/call{next(_call_counter)}"
         raw = w.store_factory(**w.store_kwargs)
         cleanup.callback(self._wait_for_exit_if_hosting, raw)
         self.store = PrefixStore(self.namespace, raw)
+        # Tells a job controller that this role recovers in-process (role level).
+        raw.set(f"{self.namespace.rsplit('/', 1)[0]}/wrapped", "1")
 
         board = ProgressBoard()
         cleanup.callback(board.close)
@@ -568,7 +569,7 @@ class CallWrapper:
                     participants,
                     value,
                     _td(self._seconds["barrier_timeout"]),
-                    functools.partial(_decide_membership, prev_members, joiners),
+                    functools.partial(_decide_membership, self.store),
                     _RESTART_POLL_LIMIT,
                 )
             )
@@ -863,13 +864,18 @@ class _Result:
 
 
 def _decide_membership(
-    prev_members: list[str],
-    joiners: list[str],
+    store: StoreMixin,
     arrivals: dict[str, str],
     terminated: set[str],
     baseline: int,
 ) -> str:
-    """The iteration barrier's decision: the ordered membership, or a retry."""
+    """The iteration barrier's decision: the ordered membership, or a retry.
+
+    A join request not admitted yet counts as an unhandled fault (the baseline
+    is lowered by one), so the new iteration restarts at once and admits it:
+    the request may have come too late for the termination barrier, and its
+    fault may already be part of ``baseline``.
+    """
     if terminated:
         return json.dumps({"retry": sorted(terminated)})
     timed_out = sorted(i for i, v in arrivals.items() if v == "timeout")
@@ -895,6 +901,9 @@ def _decide_membership(
     members += sorted(admitted, key=lambda j: (initial_rank_of(j), j))
     if not members:
         return json.dumps({"error": "no rank is left"})
+    gone = store.terminated() | store.left()
+    if any(j not in members and j not in gone for j in store.join_requests()):
+        baseline -= 1
     return json.dumps({"members": members, "baseline": baseline})
 
 

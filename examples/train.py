@@ -1,0 +1,134 @@
+"""A small data-parallel training job under the in-process Wrapper (gloo, CPU).
+
+Written like a torchrun script: it reads RANK/WORLD_SIZE and initializes
+torch.distributed with the default ``env://`` method. Run it with
+``inprocess-run --nnodes 2 --nproc-per-node 2 examples/train.py`` (or any
+launcher that sets the torch.distributed variables).
+
+The "model" is one parameter ``w``; every step all-reduces a gradient of 1 per
+rank and applies their mean, so after N committed steps ``w == N``. Rank 0
+checkpoints (step, w) after every step inside ``call_wrapper.atomic()``, and
+every (re)start resumes from the checkpoint: whatever faults happen, the job
+ends with exactly N steps applied.
+
+Each worker process appends a line of JSON to ``--result-dir/events.jsonl``
+for every start, fault and finish (used by the demo and the tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import os
+import random
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import inprocess
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--steps", type=int, default=200)
+parser.add_argument("--step-time", type=float, default=0.02, help="seconds of work per step")
+parser.add_argument("--result-dir", type=Path, default=Path("."))
+parser.add_argument("--fault-every", type=int, default=0, help="raise on a random rank every N steps")
+parser.add_argument("--crash-rank", type=int, default=-1, help="this RANK crashes its process ...")
+parser.add_argument("--crash-times", type=int, default=0, help="... this many times in all")
+parser.add_argument("--crash-step", type=int, default=3, help="steps after its start before it crashes")
+parser.add_argument("--seed", type=int, default=0)
+args = parser.parse_args()
+
+RANK = int(os.environ["RANK"])
+INCARNATION = int(os.environ.get("INPROCESS_WORKER_INCARNATION", "0"))
+args.result_dir.mkdir(parents=True, exist_ok=True)
+CHECKPOINT = args.result_dir / "checkpoint.json"
+EVENTS = args.result_dir / "events.jsonl"
+logging.basicConfig(
+    level=os.environ.get("TRAIN_LOG_LEVEL", "WARNING"),
+    format=f"%(asctime)s worker{RANK} %(name)s %(levelname)s %(message)s",
+)
+
+
+def record(kind: str, **data: object) -> None:
+    line = json.dumps({"kind": kind, "rank": RANK, "incarnation": INCARNATION,
+                       "time": time.time(), **data})
+    with open(EVENTS, "a") as f:  # short appends of whole lines: safe across processes
+        f.write(line + "\n")
+
+
+def load_checkpoint() -> tuple[int, float]:
+    try:
+        data = json.loads(CHECKPOINT.read_text())
+        return data["step"], data["w"]
+    except FileNotFoundError:
+        return 0, 0.0
+
+
+def save_checkpoint(step: int, w: float) -> None:
+    tmp = CHECKPOINT.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"step": step, "w": w}))
+    os.replace(tmp, CHECKPOINT)
+
+
+def crashes_so_far() -> int:
+    path = args.result_dir / f"crashes{RANK}"
+    return int(path.read_text()) if path.exists() else 0
+
+
+ms = datetime.timedelta(milliseconds=1)
+
+
+@inprocess.Wrapper(
+    monitor_thread_interval=50 * ms,
+    monitor_process_interval=50 * ms,
+    progress_watchdog_interval=50 * ms,
+    last_call_wait=50 * ms,
+    soft_timeout=datetime.timedelta(seconds=20),
+    hard_timeout=datetime.timedelta(seconds=30),
+    heartbeat_timeout=datetime.timedelta(seconds=10),
+    barrier_timeout=datetime.timedelta(seconds=120),
+    termination_grace_time=datetime.timedelta(seconds=1),
+    initialize=inprocess.initialize.RetryController(max_iterations=100),
+)
+def train(call_wrapper: inprocess.CallWrapper | None = None) -> dict[str, object]:
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    step, w = load_checkpoint()
+    grad = torch.ones(1)
+    dist.all_reduce(grad)  # the group works: training (re)starts now
+    record("start", iteration=call_wrapper.iteration, active_rank=rank, world=world, step=step)
+    rng = random.Random(args.seed * 100003 + call_wrapper.iteration)
+    started_at = step
+    while step < args.steps:
+        if args.fault_every and step > 0 and step % args.fault_every == 0 and step != started_at:
+            if rank == rng.randrange(world):
+                record("fault", fault="exception", step=step)
+                raise RuntimeError(f"injected fault at step {step}")
+        if (
+            RANK == args.crash_rank
+            and step - started_at == args.crash_step
+            and crashes_so_far() < args.crash_times
+        ):
+            (args.result_dir / f"crashes{RANK}").write_text(str(crashes_so_far() + 1))
+            record("fault", fault="crash", step=step)
+            os._exit(3)
+        time.sleep(args.step_time)  # the "forward and backward pass"
+        grad = torch.ones(1)
+        dist.all_reduce(grad)
+        w += grad.item() / world
+        step += 1
+        with call_wrapper.atomic():
+            if rank == 0:
+                save_checkpoint(step, w)
+        call_wrapper.ping()
+    dist.destroy_process_group()
+    return {"step": step, "w": w, "world": world}
+
+
+if __name__ == "__main__":
+    result = train()
+    record("finish", result=result)

@@ -1,0 +1,160 @@
+"""The ``local`` backend: worker processes on this machine.
+
+Nodes are simulated: a node is a set of workers sharing a slot label. Process
+death is observed directly through pidfds, for children and for workers that
+an earlier controller started (after a controller crash they are orphans; the
+supervisor reaps them and records how they ended in ``exits_dir``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import select
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from . import ProcessExit, WorkerLaunch
+
+log = logging.getLogger(__name__)
+
+#: how long to wait for the supervisor's record of an orphan's exit status
+EXIT_RECORD_WAIT = 2.0
+
+
+def process_start_time(pid: int) -> float | None:
+    """Start time of ``pid`` in clock ticks since boot, or ``None`` if it does not exist.
+
+    Together with the pid it identifies a process: a reused pid has another start time.
+    """
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    if fields[0] == "Z":
+        return None
+    return float(fields[19])
+
+
+def exit_record_path(exits_dir: Path, pid: int) -> Path:
+    return exits_dir / f"{pid}.json"
+
+
+def write_exit_record(exits_dir: Path, pid: int, status: int) -> None:
+    """Records how a reaped process ended (used by the supervisor)."""
+    exits_dir.mkdir(parents=True, exist_ok=True)
+    code = os.waitstatus_to_exitcode(status)
+    record = {
+        "pid": pid,
+        "exit_code": code if code >= 0 else None,
+        "signal": -code if code < 0 else None,
+    }
+    tmp = exits_dir / f".{pid}.tmp"
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, exit_record_path(exits_dir, pid))
+
+
+class LocalBackend:
+    """Worker processes of this machine, each in its own session and process group."""
+
+    def __init__(self, exits_dir: Path) -> None:
+        self.exits_dir = exits_dir
+        self._children: dict[int, subprocess.Popen[bytes]] = {}
+        self._pidfds: dict[int, int] = {}
+        self._poller = select.poll()
+
+    def start(self, launch: WorkerLaunch) -> tuple[int, float]:
+        process = subprocess.Popen(
+            list(launch.argv),
+            env=launch.env,
+            start_new_session=True,
+            stdin=subprocess.DEVNULL,
+        )
+        self._children[process.pid] = process
+        self._watch(process.pid)
+        start_time = process_start_time(process.pid)
+        return process.pid, start_time if start_time is not None else 0.0
+
+    def attach(self, pid: int, start_time: float) -> bool:
+        if process_start_time(pid) != start_time:
+            return False
+        try:
+            self._watch(pid)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def _watch(self, pid: int) -> None:
+        fd = os.pidfd_open(pid)
+        self._pidfds[pid] = fd
+        self._poller.register(fd, select.POLLIN)
+
+    def stop(self, pids: list[int], grace: float) -> None:
+        live = [pid for pid in pids if pid in self._pidfds]
+        for pid in live:
+            _signal_group(pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and any(self._running(pid) for pid in live):
+            time.sleep(0.01)
+        for pid in live:
+            if self._running(pid):
+                log.warning("worker process %d ignored SIGTERM for %.3gs: killing it", pid, grace)
+            _signal_group(pid, signal.SIGKILL)  # also whatever it left in its group
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(self._running(pid) for pid in live):
+            time.sleep(0.01)
+
+    def _running(self, pid: int) -> bool:
+        child = self._children.get(pid)
+        if child is not None:
+            return child.poll() is None
+        return process_start_time(pid) is not None
+
+    def wait(self, timeout: float) -> list[ProcessExit]:
+        ready = self._poller.poll(timeout * 1000) if self._pidfds else []
+        if not self._pidfds:
+            time.sleep(timeout)
+        fds = {fd for fd, _ in ready}
+        exits = []
+        for pid, fd in list(self._pidfds.items()):
+            if fd in fds:
+                exits.append(self._collect(pid))
+        return exits
+
+    def _collect(self, pid: int) -> ProcessExit:
+        fd = self._pidfds.pop(pid)
+        self._poller.unregister(fd)
+        os.close(fd)
+        child = self._children.pop(pid, None)
+        if child is not None:
+            code = child.wait()
+            return ProcessExit(pid, code if code >= 0 else None, -code if code < 0 else None)
+        # An orphan from an earlier controller: the supervisor reaps it and records it.
+        path = exit_record_path(self.exits_dir, pid)
+        deadline = time.monotonic() + EXIT_RECORD_WAIT
+        while not path.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if not path.exists():
+            log.warning("no exit status recorded for process %d", pid)
+            return ProcessExit(pid, None, None)
+        record = json.loads(path.read_text())
+        path.unlink()
+        return ProcessExit(pid, record["exit_code"], record["signal"])
+
+    def close(self) -> None:
+        for pid in list(self._pidfds):
+            fd = self._pidfds.pop(pid)
+            with contextlib.suppress(OSError):
+                self._poller.unregister(fd)
+            os.close(fd)
+        self._children.clear()
+
+
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
