@@ -114,3 +114,7 @@ def main(argv: list[str] | None = None) -> int:
 def _flag_names(message: str) -> str:
     """Names spec fields the way they are spelled on the command line."""
     return message.replace("JobSpec.", "--").replace("_", "-")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,272 @@
+"""inprocess-run end to end: real controller, supervisor, store server and workers (issue 5)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from inprocess.failover.state import Stage, load_state
+from inprocess.failover.supervisor import job_processes
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parent.parent
+TRAIN = REPO / "examples" / "train.py"
+RUN = [sys.executable, "-m", "inprocess.failover.cli"]
+ENV = dict(
+    os.environ,
+    PYTHONWARNINGS="ignore:Failed to initialize NumPy",
+    RES_OPTIONS="timeout:1 attempts:1",
+)
+
+
+class Launch:
+    """One ``inprocess-run`` job in ``tmp``; everything of it is killed at the end."""
+
+    def __init__(self, tmp: Path, *flags: str, script: Path = TRAIN, script_args=()):
+        self.state_dir = tmp / "state"
+        self.out = tmp / "out"
+        self.job_id = f"test-{os.getpid()}-{time.monotonic_ns()}"
+        self.log = open(tmp / "launcher.log", "wb")  # noqa: SIM115 - closed in __exit__
+        self.proc = subprocess.Popen(
+            [
+                *RUN,
+                "--nnodes", "2", "--nproc-per-node", "2",
+                "--state-dir", str(self.state_dir),
+                "--job-id", self.job_id,
+                "--monitor-interval", "0.05",
+                *flags,
+                str(script), "--result-dir", str(self.out), *script_args,
+            ],
+            env=ENV,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def __enter__(self) -> Launch:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        for p in job_processes(self.job_id):
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        self.log.close()
+
+    def state(self) -> dict:
+        return json.loads((self.state_dir / "state.json").read_text())
+
+    def events(self) -> list[dict]:
+        path = self.out / "events.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+    def wait_until(self, predicate, timeout=90.0, what="condition") -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if predicate():
+                return
+            if self.proc.poll() is not None:
+                raise AssertionError(f"the job ended before {what}:\n{self.output()}")
+            time.sleep(0.05)
+        raise AssertionError(f"timed out waiting for {what}:\n{self.output()}")
+
+    def full_size_since(self, since: float) -> bool:
+        starts = [e for e in self.events() if e["kind"] == "start" and e["time"] > since]
+        return len({e["rank"] for e in starts if e["world"] == 4}) == 4
+
+    def running_at_step(self, step: int) -> bool:
+        try:
+            return json.loads((self.out / "checkpoint.json").read_text())["step"] >= step
+        except (FileNotFoundError, json.JSONDecodeError):
+            return False
+
+    def finish(self, timeout=180.0) -> int:
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            self.log.flush()
+
+    def output(self) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text(errors="replace")[-8000:]
+
+
+def check_clean_success(launch: Launch, steps: int) -> None:
+    code = launch.finish()
+    assert code == 0, launch.output()
+    finishes = [e for e in launch.events() if e["kind"] == "finish"]
+    assert sorted(e["rank"] for e in finishes) == [0, 1, 2, 3], launch.output()
+    for e in finishes:
+        assert e["result"] == {"step": steps, "w": float(steps), "world": 4}
+    check_after_run(launch)
+
+
+def check_after_run(launch: Launch) -> None:
+    state = load_state(launch.state_dir / "state.json")  # readable, versioned
+    assert state.stage is Stage.STOPPED
+    deadline = time.monotonic() + 10
+    while job_processes(launch.job_id) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not job_processes(launch.job_id), "a process of the job outlived it"
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("victim", [1, 0])
+def test_worker_sigkill_relaunch_and_rejoin(tmp_path, victim):
+    steps = 300
+    with Launch(tmp_path, script_args=["--steps", str(steps), "--step-time", "0.03"]) as launch:
+        launch.wait_until(lambda: launch.running_at_step(20), what="training")
+        killed_at = time.time()
+        os.kill(launch.state()["workers"][str(victim)]["pid"], signal.SIGKILL)
+        # survivors go on in-process at world size 3, then the relaunched worker rejoins
+        launch.wait_until(lambda: launch.full_size_since(killed_at), what="full size again")
+        check_clean_success(launch, steps)
+        events = launch.events()
+        assert any(e["kind"] == "start" and e["world"] == 3 for e in events)
+        survivors = {r for r in range(4) if r != victim}
+        # the survivors' processes were never restarted: incarnation 0 all along
+        assert all(e["incarnation"] == 0 for e in events if e["rank"] in survivors)
+        assert {e["incarnation"] for e in events if e["rank"] == victim} == {0, 1}
+        state = launch.state()
+        assert state["worker_restarts"][str(victim)] == 1
+        assert state["wrapper_managed"] is True
+
+
+@pytest.mark.timeout(240)
+def test_controller_sigkill_is_recovered(tmp_path):
+    steps = 300
+    with Launch(tmp_path, script_args=["--steps", str(steps), "--step-time", "0.03"]) as launch:
+        launch.wait_until(lambda: launch.running_at_step(20), what="training")
+        first = int((launch.state_dir / "controller.pid").read_text())
+        os.kill(first, signal.SIGKILL)
+        launch.wait_until(
+            lambda: int((launch.state_dir / "controller.pid").read_text()) != first,
+            what="a new controller",
+        )
+        # workers kept training while the controller was down; then a worker dies
+        time.sleep(1)
+        killed_at = time.time()
+        os.kill(launch.state()["workers"]["3"]["pid"], signal.SIGKILL)
+        launch.wait_until(lambda: launch.full_size_since(killed_at), what="full size again")
+        check_clean_success(launch, steps)
+        state = launch.state()
+        assert any(e["kind"] == "recover" for e in state["events"])
+        # the lost worker's exit status was known although another controller started it
+        assert any("SIGKILL" in e["message"] for e in state["events"]), state["events"]
+
+
+@pytest.mark.timeout(300)
+def test_failing_node_is_relaunched_on_a_spare_slot(tmp_path):
+    steps = 300
+    with Launch(
+        tmp_path,
+        "--per-node-max-failures", "2", "--spare-nodes", "1",
+        script_args=[
+            "--steps", str(steps), "--step-time", "0.03",
+            "--crash-rank", "2", "--crash-times", "3", "--crash-step", "5",
+        ],
+    ) as launch:
+        check_clean_success(launch, steps)
+        state = launch.state()
+        assert state["node_relaunches"] == 1
+        assert state["node_slots"]["1"] == 2  # node 1 (workers 2, 3) moved to the spare slot
+        assert state["removed_slots"] == [1]
+        assert state["workers"]["3"]["slot"] == 2 and state["workers"]["3"]["incarnation"] >= 1
+        # the healthy worker moved with its node: that stop was not counted as its failure
+        assert state["worker_restarts"]["3"] == 0
+        assert state["worker_restarts"]["2"] == 3
+
+
+@pytest.mark.timeout(240)
+def test_worker_that_always_crashes_stops_the_job(tmp_path):
+    start = time.monotonic()
+    with Launch(
+        tmp_path,
+        "--max-restarts", "2",
+        script_args=["--steps", "100000", "--crash-rank", "1", "--crash-times", "1000",
+                     "--crash-step", "2"],
+    ) as launch:
+        code = launch.finish(timeout=200)
+        assert code != 0
+        assert time.monotonic() - start < 200
+        state = launch.state()
+        assert state["stage"] == "STOPPED" and state["exit_code"] == code
+        assert "max_restarts" in state["reason"] or "max-restarts" in state["reason"]
+        assert state["worker_restarts"]["1"] == 3
+        check_after_run(launch)
+        assert "max" in launch.output()  # the reason is printed too
+
+
+PLAIN = REPO / "tests" / "workers" / "plain_job.py"
+
+
+@pytest.mark.timeout(240)
+def test_job_without_wrapper_gets_a_cold_restart(tmp_path):
+    with Launch(tmp_path, script=PLAIN, script_args=["--crash-rank", "2"]) as launch:
+        code = launch.finish()
+        assert code == 0, launch.output()
+        state = launch.state()
+        assert state["wrapper_managed"] is None
+        assert state["job_restarts"] == 1 and state["generation"] == 1
+        finishes = [e for e in launch.events() if e["kind"] == "finish"]
+        assert sorted(e["rank"] for e in finishes) == [0, 1, 2, 3]
+        assert all(e["generation"] == 1 for e in finishes)
+        check_after_run(launch)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--nnodes", "0"], "--nnodes"),
+        (["--nproc-per-node", "-1"], "--nproc-per-node"),
+        (["--max-restarts", "-1"], "--max-restarts"),
+        (["--per-node-max-failures", "0"], "--per-node-max-failures"),
+        (["--job-id", "bad id!"], "--job-id"),
+    ],
+)
+def test_bad_flags_are_clear_errors(tmp_path, flags, message):
+    result = subprocess.run(
+        [*RUN, *flags, "--state-dir", str(tmp_path / "s"), str(TRAIN)],
+        env=ENV, capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 2
+    assert message in result.stderr, result.stderr
+
+
+def test_missing_script_and_reused_state_dir(tmp_path):
+    result = subprocess.run(
+        [*RUN, "--state-dir", str(tmp_path / "s"), str(tmp_path / "nope.py")],
+        env=ENV, capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 2 and "SCRIPT" in result.stderr
+    # a state dir that already holds a job is never taken over by a new one
+    (tmp_path / "s").mkdir()
+    from inprocess.failover import policy
+    from inprocess.failover.spec import JobSpec
+    from inprocess.failover.state import StateStore
+
+    spec = JobSpec(job_id="old", entrypoint=("x.py",), nnodes=1, nproc_per_node=1,
+                   state_dir=str(tmp_path / "s"))
+    StateStore(tmp_path / "s").create(policy.new_job_state(spec, now=time.time()))
+    before = (tmp_path / "s" / "state.json").read_bytes()
+    result = subprocess.run(
+        [*RUN, "--state-dir", str(tmp_path / "s"), str(TRAIN)],
+        env=ENV, capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 2 and "old" in result.stderr, result.stderr
+    assert (tmp_path / "s" / "state.json").read_bytes() == before
