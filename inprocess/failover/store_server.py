@@ -64,12 +64,18 @@ def _alive(pid: int) -> bool:
 def start_store_server(host: str, timeout: float = 60.0) -> StoreServer:
     """Starts a store server and returns once it accepts connections."""
     ready_r, ready_w = os.pipe()
+    env = dict(os.environ)
+    # torch's store server resolves the name of every client that connects, for
+    # its logs; with an unreachable DNS server that stalls the whole server for
+    # the resolver's timeout (5 s by default). Bound it, unless the user chose.
+    env.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
     try:
         process = subprocess.Popen(
             [sys.executable, "-m", "inprocess.failover.store_server", host, str(ready_w)],
             pass_fds=(ready_w,),
             start_new_session=True,
             stdin=subprocess.DEVNULL,
+            env=env,
         )
     finally:
         os.close(ready_w)

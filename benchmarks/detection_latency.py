@@ -1,0 +1,138 @@
+"""Detection latency of every fault kind: from the fault to the survivors' next iteration.
+
+Four ranks train under the Wrapper (gloo, CPU); rank 2 fails while the others
+are inside all_reduce. For each kind of fault the figure is the time from the
+fault to the moment the last survivor is back in the function with a new
+process group and one all_reduce done, next to the bound it must stay under.
+
+    python benchmarks/detection_latency.py [--repeat 3]
+
+Reuses the test suite's job launcher and configurable worker (tests/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from launcher import Job
+
+SOFT, HARD, GRACE, HEARTBEAT = 3.0, 6.0, 1.0, 4.0
+WRAPPER = {
+    "monitor_thread_interval": 0.05,
+    "monitor_process_interval": 0.05,
+    "progress_watchdog_interval": 0.05,
+    "soft_timeout": SOFT,
+    "hard_timeout": HARD,
+    "heartbeat_timeout": HEARTBEAT,
+    "barrier_timeout": 60,
+    "completion_timeout": 60,
+    "last_call_wait": 0.05,
+    "termination_grace_time": GRACE,
+}
+VICTIM, WORLD = 2, 4
+
+# label -> (how it is injected, the bound it must stay under)
+KINDS = {
+    "exception": ("raise", 1.5),
+    "hang, GIL released (time.sleep)": ("sleep", SOFT + 1.5),
+    "hang, GIL released (socket read)": ("socket", SOFT + 1.5),
+    "hang, GIL held": ("gil", HARD + GRACE + 1.5),
+    "busy loop, manual ping timeout": ("busy", SOFT + 1.5),
+    "SIGKILL (self)": ("kill", 1.5),
+    "segfault": ("segfault", 1.5),
+    "SIGKILL from outside": ("external-kill", 1.5),
+    "SIGSTOP from outside": ("external-stop", HARD + GRACE + 1.5),
+    "process and monitor lost": ("external-node", HEARTBEAT + 1.5),
+}
+#: faults after which the victim is brought back in-process rather than lost
+RECOVERED_IN_PROCESS = {"raise", "sleep", "socket", "busy"}
+
+
+def ready_times(job: Job, iteration: int) -> list[float]:
+    times = []
+    for rank in range(WORLD):
+        path = job.workdir / f"report{rank}.json"
+        if not path.exists():
+            continue
+        events = json.loads(path.read_text())["events"]
+        times += [e["time"] for e in events if e["kind"] == "ready" and e["iteration"] == iteration]
+    return times
+
+
+def inject_from_outside(job: Job, how: str) -> float:
+    deadline = time.monotonic() + 60
+    while not all((job.workdir / f"started{r}_0").exists() for r in range(WORLD)):
+        if time.monotonic() > deadline:
+            raise RuntimeError("ranks did not start")
+        time.sleep(0.01)
+    time.sleep(0.3)  # everyone is inside all_reduce steps now
+    proc = psutil.Process(job.pid(VICTIM))
+    fault_time = time.monotonic()
+    if how == "external-kill":
+        proc.kill()
+    elif how == "external-stop":
+        proc.send_signal(signal.SIGSTOP)
+    else:  # the rank and its monitor process at once: nobody reports
+        victims = [proc, *proc.children(recursive=True)]
+        for p in victims:
+            p.send_signal(signal.SIGSTOP)
+        for p in victims:
+            p.kill()
+    return fault_time
+
+
+def measure(how: str, workdir: Path) -> float:
+    spec: dict = {"wrapper": WRAPPER, "steps": 8, "steps_after_restart": 4}
+    if how.startswith("external"):
+        spec["steps"] = 100000
+    else:
+        spec["faults"] = [
+            {"iteration": 0, "rank": VICTIM, "step": 3, "kind": how, "others": "allreduce"}
+        ]
+        spec["ping"] = how == "busy"
+    with Job("scenario.py", WORLD, workdir, spec) as job:
+        fault_time = inject_from_outside(job, how) if how.startswith("external") else None
+        result = job.wait(120)
+    if fault_time is None:
+        fault_time = json.loads((workdir / f"fault{VICTIM}.json").read_text())["time"]
+    ready = ready_times(job, 1)
+    survivors = WORLD if how in RECOVERED_IN_PROCESS else WORLD - 1
+    if len(ready) != survivors or result.leftovers:
+        raise RuntimeError(f"{how}: {len(ready)} ranks ready, leftovers {result.leftovers}")
+    return max(ready) - fault_time
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args()
+    os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
+    print(
+        f"4 ranks, intervals 50 ms, soft {SOFT:g} s, hard {HARD:g} s, grace {GRACE:g} s, "
+        f"heartbeat {HEARTBEAT:g} s; median of {args.repeat}"
+    )
+    print(f"{'fault':<36} {'median s':>9} {'max s':>7} {'bound s':>8}")
+    for label, (how, bound) in KINDS.items():
+        samples = []
+        for i in range(args.repeat):
+            with tempfile.TemporaryDirectory() as tmp:
+                samples.append(measure(how, Path(tmp) / f"run{i}"))
+        print(
+            f"{label:<36} {statistics.median(samples):>9.2f} {max(samples):>7.2f} {bound:>8.1f}",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()

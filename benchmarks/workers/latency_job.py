@@ -1,0 +1,105 @@
+"""Worker of benchmarks/restart_latency.py.
+
+Mode "restarts": under the Wrapper with 5 ms intervals, rank ``i % world`` raises
+in iteration ``i`` while the others wait inside all_reduce; every rank records
+(time.monotonic, same host) when it is back in the function with a new process
+group and one all_reduce done. Mode "overhead": the same training loop, wrapped
+or not, timed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import inprocess
+
+MODE, OUT = sys.argv[1], Path(sys.argv[2])
+RANK = int(os.environ["RANK"])
+ms = datetime.timedelta(milliseconds=1)
+s = datetime.timedelta(seconds=1)
+
+
+def restarts(count: int, interval_ms: float) -> None:
+    fast = interval_ms * ms
+    times: dict[str, list] = {"fault": [], "ready": []}
+
+    @inprocess.Wrapper(
+        monitor_thread_interval=fast,
+        monitor_process_interval=fast,
+        progress_watchdog_interval=fast,
+        last_call_wait=fast,
+        soft_timeout=30 * s,
+        hard_timeout=60 * s,
+        heartbeat_timeout=30 * s,
+        barrier_timeout=90 * s,
+        completion_timeout=90 * s,
+    )
+    def train(call_wrapper: inprocess.CallWrapper = None):
+        iteration = call_wrapper.iteration
+        dist.init_process_group("gloo")
+        rank, world = dist.get_rank(), dist.get_world_size()
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        times["ready"].append([iteration, time.monotonic()])
+        for step in range(5):
+            if iteration < count and step == 2 and rank == iteration % world:
+                times["fault"].append([iteration, time.monotonic()])
+                raise RuntimeError("benchmark fault")
+            t = torch.ones(1)
+            dist.all_reduce(t)
+        dist.destroy_process_group()
+
+    train()
+    (OUT / f"restarts{RANK}.json").write_text(json.dumps(times))
+
+
+def training_loop(steps: int) -> float:
+    """A small data-parallel step: compute, then all_reduce the gradient."""
+    x = torch.randn(256, 256)
+    w = torch.randn(256, 256)
+    start = time.perf_counter()
+    for _ in range(steps):
+        g = torch.tanh(x @ w) @ w.T
+        dist.all_reduce(g)
+        w -= 1e-4 * g
+    return time.perf_counter() - start
+
+
+def overhead(wrapped: bool, steps: int, interval_ms: float | None) -> None:
+    def run() -> float:
+        dist.init_process_group("gloo")
+        training_loop(20)  # warm-up
+        elapsed = training_loop(steps)
+        dist.destroy_process_group()
+        return elapsed
+
+    if wrapped:
+        kwargs = {}
+        if interval_ms is not None:
+            fast = interval_ms * ms
+            kwargs = dict(
+                monitor_thread_interval=fast,
+                monitor_process_interval=fast,
+                progress_watchdog_interval=fast,
+            )
+        elapsed = inprocess.Wrapper(**kwargs)(run)()
+    else:
+        elapsed = run()
+    (OUT / f"overhead{RANK}.json").write_text(json.dumps({"elapsed": elapsed}))
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    if MODE == "restarts":
+        restarts(int(sys.argv[3]), float(sys.argv[4]))
+    else:
+        interval = None if sys.argv[5] == "default" else float(sys.argv[5])
+        overhead(MODE == "wrapped", int(sys.argv[3]), interval)
