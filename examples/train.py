@@ -35,10 +35,14 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=200)
 parser.add_argument("--step-time", type=float, default=0.02, help="seconds of work per step")
 parser.add_argument("--result-dir", type=Path, default=Path("."))
-parser.add_argument("--fault-every", type=int, default=0, help="raise on a random rank every N steps")
+parser.add_argument(
+    "--fault-every", type=int, default=0, help="raise on a random rank every N steps"
+)
 parser.add_argument("--crash-rank", type=int, default=-1, help="this RANK crashes its process ...")
 parser.add_argument("--crash-times", type=int, default=0, help="... this many times in all")
-parser.add_argument("--crash-step", type=int, default=3, help="steps after its start before it crashes")
+parser.add_argument(
+    "--crash-step", type=int, default=3, help="steps after its start before it crashes"
+)
 parser.add_argument("--seed", type=int, default=0)
 args = parser.parse_args()
 
@@ -54,8 +58,9 @@ logging.basicConfig(
 
 
 def record(kind: str, **data: object) -> None:
-    line = json.dumps({"kind": kind, "rank": RANK, "incarnation": INCARNATION,
-                       "time": time.time(), **data})
+    line = json.dumps(
+        {"kind": kind, "rank": RANK, "incarnation": INCARNATION, "time": time.time(), **data}
+    )
     with open(EVENTS, "a") as f:  # short appends of whole lines: safe across processes
         f.write(line + "\n")
 

@@ -405,4 +405,3 @@ def run(config: MonitorConfig) -> int:
     log.info("monitoring rank %s (pid %d)", config.identity, config.parent_pid)
     guardian.run()
     return 0
-

@@ -28,7 +28,6 @@ def _warm_up_one_time_resources():
     """Process-wide resources created once (libuv's signal pipes of the TCPStore
     server) must not be blamed on the first test that happens to create them."""
     import torch.distributed as dist
-
     from launcher import free_port
 
     server = dist.TCPStore("127.0.0.1", free_port(), None, True, use_libuv=True)

@@ -150,7 +150,9 @@ class Job:
             report_path = self.workdir / f"report{rank}.json"
             report = json.loads(report_path.read_text()) if report_path.exists() else None
             ranks.append(
-                RankResult(rank, proc.returncode, self.logs[rank].read_text(errors="replace"), report)
+                RankResult(
+                    rank, proc.returncode, self.logs[rank].read_text(errors="replace"), report
+                )
             )
         return JobResult(ranks, duration, leftovers)
 
@@ -186,7 +188,11 @@ class Job:
 
 
 def run_job(
-    script: str, nprocs: int, workdir: Path, spec: dict[str, Any] | None = None, timeout: float = 120,
+    script: str,
+    nprocs: int,
+    workdir: Path,
+    spec: dict[str, Any] | None = None,
+    timeout: float = 120,
     env: dict[str, str] | None = None,
 ) -> JobResult:
     with Job(script, nprocs, workdir, spec, env) as job:

@@ -36,16 +36,25 @@ class Launch:
         self.state_dir = tmp / "state"
         self.out = tmp / "out"
         self.job_id = f"test-{os.getpid()}-{time.monotonic_ns()}"
-        self.log = open(tmp / "launcher.log", "wb")  # noqa: SIM115 - closed in __exit__
+        self.log = open(tmp / "launcher.log", "wb")
         self.proc = subprocess.Popen(
             [
                 *RUN,
-                "--nnodes", "2", "--nproc-per-node", "2",
-                "--state-dir", str(self.state_dir),
-                "--job-id", self.job_id,
-                "--monitor-interval", "0.05",
+                "--nnodes",
+                "2",
+                "--nproc-per-node",
+                "2",
+                "--state-dir",
+                str(self.state_dir),
+                "--job-id",
+                self.job_id,
+                "--monitor-interval",
+                "0.05",
                 *flags,
-                str(script), "--result-dir", str(self.out), *script_args,
+                str(script),
+                "--result-dir",
+                str(self.out),
+                *script_args,
             ],
             env=ENV,
             stdout=self.log,
@@ -175,10 +184,21 @@ def test_failing_node_is_relaunched_on_a_spare_slot(tmp_path):
     steps = 300
     with Launch(
         tmp_path,
-        "--per-node-max-failures", "2", "--spare-nodes", "1",
+        "--per-node-max-failures",
+        "2",
+        "--spare-nodes",
+        "1",
         script_args=[
-            "--steps", str(steps), "--step-time", "0.03",
-            "--crash-rank", "2", "--crash-times", "3", "--crash-step", "5",
+            "--steps",
+            str(steps),
+            "--step-time",
+            "0.03",
+            "--crash-rank",
+            "2",
+            "--crash-times",
+            "3",
+            "--crash-step",
+            "5",
         ],
     ) as launch:
         check_clean_success(launch, steps)
@@ -197,9 +217,18 @@ def test_worker_that_always_crashes_stops_the_job(tmp_path):
     start = time.monotonic()
     with Launch(
         tmp_path,
-        "--max-restarts", "2",
-        script_args=["--steps", "100000", "--crash-rank", "1", "--crash-times", "1000",
-                     "--crash-step", "2"],
+        "--max-restarts",
+        "2",
+        script_args=[
+            "--steps",
+            "100000",
+            "--crash-rank",
+            "1",
+            "--crash-times",
+            "1000",
+            "--crash-step",
+            "2",
+        ],
     ) as launch:
         code = launch.finish(timeout=200)
         assert code != 0
@@ -242,7 +271,10 @@ def test_job_without_wrapper_gets_a_cold_restart(tmp_path):
 def test_bad_flags_are_clear_errors(tmp_path, flags, message):
     result = subprocess.run(
         [*RUN, *flags, "--state-dir", str(tmp_path / "s"), str(TRAIN)],
-        env=ENV, capture_output=True, text=True, timeout=60,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 2
     assert message in result.stderr, result.stderr
@@ -251,7 +283,10 @@ def test_bad_flags_are_clear_errors(tmp_path, flags, message):
 def test_missing_script_and_reused_state_dir(tmp_path):
     result = subprocess.run(
         [*RUN, "--state-dir", str(tmp_path / "s"), str(tmp_path / "nope.py")],
-        env=ENV, capture_output=True, text=True, timeout=60,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 2 and "SCRIPT" in result.stderr
     # a state dir that already holds a job is never taken over by a new one
@@ -260,13 +295,21 @@ def test_missing_script_and_reused_state_dir(tmp_path):
     from inprocess.failover.spec import JobSpec
     from inprocess.failover.state import StateStore
 
-    spec = JobSpec(job_id="old", entrypoint=("x.py",), nnodes=1, nproc_per_node=1,
-                   state_dir=str(tmp_path / "s"))
+    spec = JobSpec(
+        job_id="old",
+        entrypoint=("x.py",),
+        nnodes=1,
+        nproc_per_node=1,
+        state_dir=str(tmp_path / "s"),
+    )
     StateStore(tmp_path / "s").create(policy.new_job_state(spec, now=time.time()))
     before = (tmp_path / "s" / "state.json").read_bytes()
     result = subprocess.run(
         [*RUN, "--state-dir", str(tmp_path / "s"), str(TRAIN)],
-        env=ENV, capture_output=True, text=True, timeout=60,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 2 and "old" in result.stderr, result.stderr
     assert (tmp_path / "s" / "state.json").read_bytes() == before

@@ -84,9 +84,7 @@ def test_hang_with_gil_released_is_recovered_in_process(tmp_path, kind):
     delays = ready_after(result, fault_time)
     assert len(delays) == WORLD
     assert max(delays.values()) < SOFT + MARGIN, delays
-    interrupted = [
-        e for e in result.report(VICTIM)["events"] if e["kind"] == "interrupted"
-    ]
+    interrupted = [e for e in result.report(VICTIM)["events"] if e["kind"] == "interrupted"]
     assert interrupted[0]["exception"] == "RankShouldRestart"
 
 
@@ -123,9 +121,7 @@ def wait_for(path_pattern, job, timeout=60):
 
 def external_fault(tmp_path, action):
     """Runs a long iteration 0 and applies ``action(job)`` to rank 2 from outside."""
-    with Job(
-        "scenario.py", WORLD, tmp_path, spec(steps=100000, steps_after_restart=4)
-    ) as job:
+    with Job("scenario.py", WORLD, tmp_path, spec(steps=100000, steps_after_restart=4)) as job:
         wait_for("started{rank}_0", job)
         time.sleep(0.3)  # everyone is inside all_reduce steps now
         fault_time = time.monotonic()

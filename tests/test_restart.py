@@ -41,7 +41,9 @@ def assert_completed(result, world, iterations, alive=None):
         size = len(list(alive))
         assert returned["world"] == size
         assert returned["sum"] == size * (size + 1) / 2  # all_reduce of rank+1
-    assert sorted(result.report(r)["returned"]["rank"] for r in alive) == list(range(len(list(alive))))
+    assert sorted(result.report(r)["returned"]["rank"] for r in alive) == list(
+        range(len(list(alive)))
+    )
     assert not result.leftovers, f"processes left behind: {result.leftovers}"
 
 
@@ -120,7 +122,9 @@ def test_initialize_exception_restarts_and_base_exception_ends_the_rank(tmp_path
 @pytest.mark.parametrize("callback", ["finalize_fails", "unhealthy", "abort_fails"])
 def test_failing_callback_excludes_the_rank(tmp_path, callback):
     faults = [{"iteration": 0, "rank": 0, "step": 2, "kind": "raise", "others": "allreduce"}]
-    result = run_job("scenario.py", 4, tmp_path, spec(faults=faults, **{callback: [2]}), timeout=100)
+    result = run_job(
+        "scenario.py", 4, tmp_path, spec(faults=faults, **{callback: [2]}), timeout=100
+    )
     assert result.ranks[2].returncode != 0
     expected = {
         "finalize_fails": "RuntimeError",
@@ -147,7 +151,9 @@ def test_failing_rank_assignment_excludes_the_rank(tmp_path):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("kind", "exception"), [("keyboard", "KeyboardInterrupt"), ("exit", "SystemExit")])
+@pytest.mark.parametrize(
+    ("kind", "exception"), [("keyboard", "KeyboardInterrupt"), ("exit", "SystemExit")]
+)
 def test_keyboard_interrupt_and_system_exit_end_the_wrapper(tmp_path, kind, exception):
     faults = [{"iteration": 0, "rank": 1, "step": 2, "kind": kind, "others": "allreduce"}]
     result = run_job("scenario.py", 3, tmp_path, spec(faults=faults), timeout=100)

@@ -16,7 +16,13 @@ def spec(**kw):
 
 
 def kill(rank, iteration=0, step=2):
-    return {"iteration": iteration, "rank": rank, "step": step, "kind": "kill", "others": "allreduce"}
+    return {
+        "iteration": iteration,
+        "rank": rank,
+        "step": step,
+        "kind": "kill",
+        "others": "allreduce",
+    }
 
 
 def outcome(result, ranks):
@@ -55,7 +61,10 @@ def test_spare_replaces_a_lost_active_rank(tmp_path):
 @pytest.mark.timeout(180)
 def test_two_successive_losses(tmp_path):
     result = run_job(
-        "scenario.py", 6, tmp_path, spec(max_active=4, faults=[kill(1), kill(3, iteration=1)]),
+        "scenario.py",
+        6,
+        tmp_path,
+        spec(max_active=4, faults=[kill(1), kill(3, iteration=1)]),
         timeout=150,
     )
     assert result.ranks[1].returncode != 0 and result.ranks[3].returncode != 0

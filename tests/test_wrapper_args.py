@@ -118,11 +118,11 @@ def f_other(a, cw: int = 0): ...
 def f_two(x: CW, y: typing.Optional[CW] = None): ...  # noqa: UP045
 
 
-def f_str1(a, cw: "CallWrapper"): ...  # noqa: F821
-def f_str2(a, cw: "Optional[inprocess.CallWrapper]" = None): ...
-def f_str3(a, cw: "inprocess.CallWrapper | None" = None): ...
-def f_str4(a, cw: "typing.Optional[CallWrapper]" = None): ...  # noqa: F821
-def f_str5(a, cw: "None | CallWrapper" = None): ...  # noqa: F821
+def f_str1(a, cw: CallWrapper): ...  # noqa: F821
+def f_str2(a, cw: inprocess.CallWrapper | None = None): ...
+def f_str3(a, cw: inprocess.CallWrapper | None = None): ...
+def f_str4(a, cw: CallWrapper | None = None): ...  # noqa: F821
+def f_str5(a, cw: CallWrapper | None = None): ...  # noqa: F821
 
 
 @pytest.mark.parametrize(
@@ -238,6 +238,15 @@ def test_public_names():
 
     assert callable(inject_fault)
     assert {f.name for f in Fault} == {
-        "GPU", "GPU_SLEEP", "ASYNC_EXC", "SIGNAL_EXC", "ABORT", "GIL", "SEGFAULT",
-        "INT", "KILL", "TERM", "STOP",
+        "GPU",
+        "GPU_SLEEP",
+        "ASYNC_EXC",
+        "SIGNAL_EXC",
+        "ABORT",
+        "GIL",
+        "SEGFAULT",
+        "INT",
+        "KILL",
+        "TERM",
+        "STOP",
     }

@@ -186,4 +186,3 @@ def inject_fault(
     injector.start()
     log.info("rank %d will get %s in %.3gs", rank, fault.name, delay)
     return injector
-

@@ -206,7 +206,11 @@ def train(call_wrapper: inprocess.CallWrapper = None) -> dict[str, Any]:
     event("ready", iteration=iteration, rank=rank, world=world)
     fault = fault_for(iteration)
     mode = fault["others"] if fault else SPEC.get("mode", "allreduce")
-    steps = SPEC.get("steps", 5) if iteration == 0 else SPEC.get("steps_after_restart", SPEC.get("steps", 5))
+    steps = (
+        SPEC.get("steps", 5)
+        if iteration == 0
+        else SPEC.get("steps_after_restart", SPEC.get("steps", 5))
+    )
     (Path(SPEC["report_dir"]) / f"started{INITIAL_RANK}_{iteration}").touch()
     ping = SPEC.get("ping", False)
     total = 0.0
@@ -228,7 +232,13 @@ def train(call_wrapper: inprocess.CallWrapper = None) -> dict[str, Any]:
             else:  # python
                 busy_python(SPEC.get("python_step_seconds", 0.05))
     except BaseException as ex:
-        event("interrupted", iteration=iteration, step=step, exception=type(ex).__name__, message=str(ex)[:300])
+        event(
+            "interrupted",
+            iteration=iteration,
+            step=step,
+            exception=type(ex).__name__,
+            message=str(ex)[:300],
+        )
         raise
     t = torch.full((1,), float(rank + 1))
     dist.all_reduce(t)
