@@ -351,7 +351,13 @@ def run_system(system: str, args: argparse.Namespace, root: Path) -> RunResult:
             finish(args, proc, events, work, result)
         finally:
             result.wall = time.time() - started
-            result.leftovers = stop_all(proc, tag)
+            # A second Ctrl-C must not cut the clean-up short: it is delivered afterwards.
+            stops = {signal.SIGINT, signal.SIGTERM}
+            signal.pthread_sigmask(signal.SIG_BLOCK, stops)
+            try:
+                result.leftovers = stop_all(proc, tag)
+            finally:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)
             if result.exit_code is None:
                 result.exit_code = proc.returncode
             result.load = (load_before, os.getloadavg()[0])
@@ -594,7 +600,9 @@ def main() -> int:
     def interrupted(signum: int, frame: object) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
 
-    signal.signal(signal.SIGTERM, interrupted)
+    # Also SIGINT: a shell starts background jobs with it ignored.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, interrupted)
     root = Path(tempfile.mkdtemp(prefix="failover_vs_torchrun_"))
     results: list[RunResult] = []
     try:

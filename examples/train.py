@@ -106,11 +106,11 @@ def train(call_wrapper: inprocess.CallWrapper | None = None) -> dict[str, object
     grad = torch.ones(1)
     dist.all_reduce(grad)  # the group works: training (re)starts now
     record("start", iteration=call_wrapper.iteration, active_rank=rank, world=world, step=step)
-    rng = random.Random(args.seed * 100003 + call_wrapper.iteration)
     started_at = step
     while step < args.steps:
         if args.fault_every and step > 0 and step % args.fault_every == 0 and step != started_at:
-            if rank == rng.randrange(world):
+            # every rank draws the same victim for this step
+            if rank == random.Random(f"{args.seed}-{step}").randrange(world):
                 record("fault", fault="exception", step=step)
                 raise RuntimeError(f"injected fault at step {step}")
         if (

@@ -444,6 +444,7 @@ class CallWrapper:
         seconds = _seconds(w)
         self.namespace = f"inprocess/{job_namespace()}/call{next(_call_counter)}"
         raw = w.store_factory(**w.store_kwargs)
+        cleanup.callback(self._release_store)
         cleanup.callback(self._wait_for_exit_if_hosting, raw)
         self.store = PrefixStore(self.namespace, raw)
         # Tells a job controller that this role recovers in-process (role level).
@@ -469,7 +470,11 @@ class CallWrapper:
                 hard_timeout=seconds["hard_timeout"],
                 termination_grace_time=seconds["termination_grace_time"],
                 logfile=w.monitor_process_logfile,
-                log_level=logging.getLogger("inprocess").getEffectiveLevel(),
+                # A log file asked for gets at least the INFO lines.
+                log_level=min(
+                    logging.getLogger("inprocess").getEffectiveLevel(),
+                    logging.INFO if w.monitor_process_logfile else logging.WARNING,
+                ),
             ),
             board,
         )
@@ -509,6 +514,16 @@ class CallWrapper:
             _restore_environment("RANK", "WORLD_SIZE", "TORCHELASTIC_USE_AGENT_STORE")
         )
         self._seconds = seconds
+
+    def _release_store(self) -> None:
+        """Drops every reference to the store, so its connections (and a server
+        this rank hosts) close now rather than whenever the CallWrapper is collected."""
+        self.store = None
+        self.state.store = None
+        if self._monitor is not None:
+            self._monitor.store = None
+        # The last exception's traceback reaches the frames that held the store.
+        self.state.fn_exception = None
 
     def _wait_for_exit_if_hosting(self, raw: Any) -> None:
         """The rank hosting the store keeps it up until every rank has left."""
@@ -623,7 +638,7 @@ class CallWrapper:
         except RestartTimeoutError as ex:
             # A rank died during an exchange inside the assignment (e.g.
             # FilterGroupedByKey): the barrier decides whether to retry without it.
-            log.warning("%s: rank assignment timed out: %s", self.identity, ex)
+            log.warning("%s: rank assignment timed out: %s", self.identity, str(ex))
             return "timeout", previous
         except Exception:
             self._terminate_self("rank assignment failed")
@@ -747,10 +762,15 @@ class CallWrapper:
             raise ex.original
         if isinstance(ex, RankShouldRestart):
             log.info(
-                "%s: restarting iteration %d (%s)", self.identity, s.iteration, armed.cause or ex
+                "%s: restarting iteration %d (%s)",
+                self.identity,
+                s.iteration,
+                armed.cause or str(ex),
             )
         elif isinstance(ex, Exception):
-            log.warning("%s: iteration %d failed: %r", self.identity, s.iteration, ex)
+            # Format now: a log record must not keep the exception (and the
+            # frames its traceback holds) alive.
+            log.warning("%s: iteration %d failed: %s", self.identity, s.iteration, repr(ex))
             self.store.record_fault(self.identity, f"{type(ex).__name__}: {ex}")
             self.store.decide_outcome(s.iteration, "fault")
         else:

@@ -10,8 +10,11 @@ if [ ! -x .venv/bin/python ]; then
 fi
 stamp=.venv/.inprocess-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-    .venv/bin/python -m pip install --quiet --upgrade pip >/dev/null 2>&1 || true
-    .venv/bin/python -m pip install --quiet "torch==${TORCH_VERSION:-2.13.0}"
-    .venv/bin/python -m pip install --quiet -e ".[test]"
+    echo "bootstrap: installing into .venv (log: .venv/install.log)"
+    {
+        .venv/bin/python -m pip install --upgrade pip || true
+        .venv/bin/python -m pip install "torch==${TORCH_VERSION:-2.13.0}"
+        .venv/bin/python -m pip install -e ".[test]"
+    } >.venv/install.log 2>&1 || { cat .venv/install.log; exit 1; }
     touch "$stamp"
 fi

@@ -156,7 +156,9 @@ class Controller:
             self.stop_workers(list(self.state.workers))
             self.start_generation()
         elif isinstance(action, StopJob):
-            log.warning(
+            level = logging.INFO if action.exit_code == 0 else logging.WARNING
+            log.log(
+                level,
                 "stopping job %s (exit code %d): %s",
                 self.spec.job_id,
                 action.exit_code,

@@ -1,0 +1,157 @@
+"""The demo: a real training job that survives faults, with a summary at the end.
+
+Runs ``examples/train.py`` (data-parallel, gloo on CPU) under ``inprocess-run``
+on 2 nodes x 2 workers, and while it trains:
+
+* the training script raises an exception on a random rank every 150 steps:
+  every rank restarts in-process (the Wrapper), nobody's process is restarted;
+* the demo SIGKILLs a worker process: the survivors go on in-process at world
+  size 3, the controller relaunches the worker, and it rejoins (world size 4);
+* the demo SIGKILLs the controller: the supervisor starts a new one, which
+  recovers from its state file and re-attaches to the workers, which never
+  stopped training.
+
+At the end it prints every fault with its restart latency (from the fault to
+the moment every rank trains again with a working process group) and checks
+that the job applied exactly the requested number of steps.
+
+    python examples/demo.py [--steps 600] [--out runs/demo]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+TRAIN = REPO / "examples" / "train.py"
+
+
+class Demo:
+    def __init__(self, out: Path, steps: int) -> None:
+        self.out = out
+        self.steps = steps
+        self.state_dir = out / "state"
+        self.results = out / "results"
+        self.kills: list[tuple[str, float]] = []
+
+    def launch(self) -> subprocess.Popen[bytes]:
+        env = dict(
+            os.environ,
+            PYTHONWARNINGS="ignore:Failed to initialize NumPy",
+            RES_OPTIONS=os.environ.get("RES_OPTIONS", "timeout:1 attempts:1"),
+        )
+        command = [
+            sys.executable, "-m", "inprocess.failover.cli",
+            "--nnodes", "2", "--nproc-per-node", "2",
+            "--state-dir", str(self.state_dir),
+            "--log-level", "WARNING",
+            str(TRAIN),
+            "--steps", str(self.steps), "--step-time", "0.02",
+            "--fault-every", "150", "--seed", "1",
+            "--result-dir", str(self.results),
+        ]  # fmt: skip
+        print("$", " ".join(command[2:]).replace(str(REPO) + "/", ""), flush=True)
+        return subprocess.Popen(command, env=env)
+
+    def step(self) -> int:
+        try:
+            return json.loads((self.results / "checkpoint.json").read_text())["step"]
+        except (FileNotFoundError, json.JSONDecodeError):
+            return 0
+
+    def wait_for_step(self, step: int, job: subprocess.Popen[bytes]) -> None:
+        while self.step() < step:
+            if job.poll() is not None:
+                raise SystemExit(f"the job ended early (exit code {job.returncode})")
+            time.sleep(0.05)
+
+    def kill_worker(self, rank: int) -> None:
+        state = json.loads((self.state_dir / "state.json").read_text())
+        pid = state["workers"][str(rank)]["pid"]
+        print(f"\n>>> demo: SIGKILL worker {rank} (pid {pid}) at step {self.step()}\n", flush=True)
+        self.kills.append((f"worker {rank} process killed (SIGKILL)", time.time()))
+        os.kill(pid, signal.SIGKILL)
+
+    def kill_controller(self) -> None:
+        pid = int((self.state_dir / "controller.pid").read_text())
+        print(f"\n>>> demo: SIGKILL the controller (pid {pid}) at step {self.step()}\n", flush=True)
+        self.kills.append(("controller killed (SIGKILL)", time.time()))
+        os.kill(pid, signal.SIGKILL)
+
+    def events(self) -> list[dict]:
+        lines = (self.results / "events.jsonl").read_text().splitlines()
+        return sorted((json.loads(line) for line in lines if line), key=lambda e: e["time"])
+
+    def summary(self, exit_code: int, elapsed: float) -> bool:
+        events = self.events()
+        starts = [e for e in events if e["kind"] == "start"]
+        faults = [(f"exception on worker {e['rank']} at step {e['step']}", e["time"])
+                  for e in events if e["kind"] == "fault"]  # fmt: skip
+        print("\n" + "=" * 78)
+        print(f"{'fault':<42} {'back in training after':>24} {'world':>6}")
+        for label, when in sorted(faults + self.kills, key=lambda f: f[1]):
+            if label.startswith("controller"):
+                print(f"{label:<42} {'(workers never stopped)':>24} {'4':>6}")
+                continue
+            after = [s for s in starts if s["time"] > when]
+            if not after:
+                continue
+            first_iteration = after[0]["iteration"]
+            group = [s for s in after if s["iteration"] == first_iteration]
+            latency = max(s["time"] for s in group) - when
+            print(f"{label:<42} {latency:>22.3f} s {group[0]['world']:>6}")
+            if label.startswith("worker"):  # a lost worker: when was the job at full size again?
+                full = [s for s in after if s["world"] == 4]
+                if full:
+                    iteration = full[0]["iteration"]
+                    back = max(s["time"] for s in full if s["iteration"] == iteration)
+                    print(f"{'  ... relaunched worker rejoined':<42} {back - when:>22.3f} s {4:>6}")
+        state = json.loads((self.state_dir / "state.json").read_text())
+        finishes = [e for e in events if e["kind"] == "finish"]
+        exact = len(finishes) == 4 and all(
+            e["result"] == {"step": self.steps, "w": float(self.steps), "world": 4}
+            for e in finishes
+        )
+        print("=" * 78)
+        print(f"job exit code {exit_code} ({state['reason']}) after {elapsed:.1f} s")
+        print(
+            f"worker process restarts {sum(state['worker_restarts'].values())}, "
+            f"cold job restarts {state['job_restarts']}, in-process restarts "
+            f"{max(s['iteration'] for s in starts)}"
+        )
+        verdict = "exact" if exact else "NOT exact"
+        print(f"steps applied: {self.steps} requested, {verdict} on all 4 workers (w == step)")
+        print(f"state file: {self.state_dir / 'state.json'}")
+        return exit_code == 0 and exact
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description="inprocess demo")
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--out", type=Path, default=REPO / "runs" / time.strftime("demo-%H%M%S"))
+    args = parser.parse_args()
+    demo = Demo(args.out.absolute(), args.steps)
+    start = time.time()
+    job = demo.launch()
+    try:
+        demo.wait_for_step(100, job)
+        demo.kill_worker(1)
+        demo.wait_for_step(320, job)
+        demo.kill_controller()
+        exit_code = job.wait(timeout=600)
+    except BaseException:
+        job.send_signal(signal.SIGTERM)
+        job.wait(60)
+        raise
+    return 0 if demo.summary(exit_code, time.time() - start) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
