@@ -1,4 +1,4 @@
-"""inprocess.tools.inject_fault: the draw is the same on every rank, each fault does what it says."""
+"""inprocess.tools.inject_fault: one draw on every rank; each fault does what it says."""
 
 from __future__ import annotations
 
