@@ -137,7 +137,7 @@ def check_after_run(launch: Launch) -> None:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("victim", [1, 0])
 def test_worker_sigkill_relaunch_and_rejoin(tmp_path, victim):
-    steps = 300
+    steps = 400
     with Launch(tmp_path, script_args=["--steps", str(steps), "--step-time", "0.03"]) as launch:
         launch.wait_until(lambda: launch.running_at_step(20), what="training")
         killed_at = time.time()
@@ -158,7 +158,7 @@ def test_worker_sigkill_relaunch_and_rejoin(tmp_path, victim):
 
 @pytest.mark.timeout(240)
 def test_controller_sigkill_is_recovered(tmp_path):
-    steps = 300
+    steps = 600  # long enough for a relaunched worker to rejoin after the recovery
     with Launch(tmp_path, script_args=["--steps", str(steps), "--step-time", "0.03"]) as launch:
         launch.wait_until(lambda: launch.running_at_step(20), what="training")
         first = int((launch.state_dir / "controller.pid").read_text())
