@@ -26,20 +26,10 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from launcher import Job
+from test_hangs import GRACE, HARD, HEARTBEAT, SOFT
+from test_hangs import TIMED as WRAPPER
 
-SOFT, HARD, GRACE, HEARTBEAT = 3.0, 6.0, 1.0, 4.0
-WRAPPER = {
-    "monitor_thread_interval": 0.05,
-    "monitor_process_interval": 0.05,
-    "progress_watchdog_interval": 0.05,
-    "soft_timeout": SOFT,
-    "hard_timeout": HARD,
-    "heartbeat_timeout": HEARTBEAT,
-    "barrier_timeout": 60,
-    "completion_timeout": 60,
-    "last_call_wait": 0.05,
-    "termination_grace_time": GRACE,
-}
+# The settings of the hang tests (tests/test_hangs.py), so the figures match them.
 VICTIM, WORLD = 2, 4
 
 # label -> (how it is injected, the bound it must stay under)

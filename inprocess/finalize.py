@@ -10,12 +10,11 @@ from __future__ import annotations
 import abc
 import datetime
 import logging
-import threading
 from collections.abc import Callable
 from typing import Any
 
-from .exception import TimeoutError as RestartTimeoutError
 from .state import State
+from .timeouts import call_with_timeout
 
 log = logging.getLogger(__name__)
 
@@ -64,22 +63,8 @@ class ThreadedFinalize(Finalize):
     def __call__(
         self, state: State, train_ex: BaseException | None = None
     ) -> tuple[State, BaseException | None]:
-        errors: list[BaseException] = []
-
-        def target() -> None:
-            try:
-                self.fn(*self.args, **self.kwargs)
-            except BaseException as ex:
-                errors.append(ex)
-
-        thread = threading.Thread(target=target, name="inprocess-finalize", daemon=True)
-        thread.start()
-        thread.join(self.timeout.total_seconds())
-        if thread.is_alive():
-            raise RestartTimeoutError(
-                f"finalize {getattr(self.fn, '__name__', self.fn)!r} did not finish "
-                f"within {self.timeout.total_seconds():.3g}s"
-            )
-        if errors:
-            raise errors[0]
+        name = f"finalize {getattr(self.fn, '__name__', self.fn)!r}"
+        call_with_timeout(
+            lambda: self.fn(*self.args, **self.kwargs), self.timeout.total_seconds(), name
+        )
         return state, train_ex

@@ -26,10 +26,10 @@ from __future__ import annotations
 import logging
 import socket
 import struct
-import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from .exception import TimeoutError as RestartTimeoutError
 from .sockets import (
     TCP_ESTABLISHED,
     TcpSocket,
@@ -37,6 +37,7 @@ from .sockets import (
     shutdown_sockets,
     socket_fds,
 )
+from .timeouts import call_with_timeout
 
 log = logging.getLogger(__name__)
 
@@ -60,36 +61,31 @@ def _sockaddr_matches(blob: bytes, address: tuple[int, bytes, int]) -> bool:
 
 def _gloo_address_blobs(pg: Any, store: Any, timeout: float) -> list[bytes]:
     """The address records gloo published for ``pg`` (read with a bounded wait)."""
-    result: list[bytes] = []
-    error: list[BaseException] = []
 
-    def read() -> None:
-        try:
-            size = pg.size()
-            # The layout of torch 2.x; the group-name level is tried too in case
-            # a version hands out the parent store.
-            for layout in ("cpu//{device}/{rank}", f"{pg.group_name}//cpu//{{device}}/{{rank}}"):
-                for device in range(16):
-                    keys = [layout.format(device=device, rank=rank) for rank in range(size)]
-                    if not store.check(keys[:1]):
-                        break
-                    for key in keys:
-                        if store.check([key]):
-                            result.append(bytes(store.get(key)))
-                if result:
-                    return
-        except BaseException as ex:  # a dead store: nothing to match
-            error.append(ex)
+    def read() -> list[bytes]:
+        size = pg.size()
+        # The layout of torch 2.x; the group-name level is tried too in case a
+        # version hands out the parent store.
+        for layout in ("cpu//{device}/{rank}", f"{pg.group_name}//cpu//{{device}}/{{rank}}"):
+            blobs = []
+            for device in range(16):
+                keys = [layout.format(device=device, rank=rank) for rank in range(size)]
+                if not store.check(keys[:1]):
+                    break
+                blobs += [bytes(store.get(key)) for key in keys if store.check([key])]
+            if blobs:
+                return blobs
+        return []
 
-    reader = threading.Thread(target=read, name="inprocess-gloo-addresses", daemon=True)
-    reader.start()
-    reader.join(timeout)
-    if reader.is_alive():
+    try:
+        result = call_with_timeout(read, timeout, "inprocess-gloo-addresses")
+    except RestartTimeoutError:
         log.warning("reading gloo addresses of group %s timed out", pg.group_name)
         return []
-    if error:
-        log.debug("cannot read gloo addresses of group %s: %s", pg.group_name, error[0])
-    elif not result:
+    except Exception as ex:  # a dead store: nothing to match
+        log.debug("cannot read gloo addresses of group %s: %s", pg.group_name, ex)
+        return []
+    if not result:
         log.warning(
             "no gloo addresses found for group %s: a blocked collective will only be "
             "released by its timeout",

@@ -13,14 +13,15 @@ import abc
 import datetime
 import logging
 import os
-import threading
 from typing import Any
 
 import torch
 
 from .exception import HealthCheckError
+from .exception import TimeoutError as RestartTimeoutError
 from .monitor_thread import RankShouldRestart
 from .state import State
+from .timeouts import call_with_timeout
 
 log = logging.getLogger(__name__)
 
@@ -95,26 +96,21 @@ class CudaHealthCheck(HealthCheck):
             device = self._device()
         except Exception as ex:
             raise HealthCheckError(f"cannot select the CUDA device to check: {ex}") from ex
-        errors: list[BaseException] = []
-
-        def synchronize() -> None:
-            try:
-                torch.cuda.synchronize(device)
-            except BaseException as ex:
-                errors.append(ex)
-
-        thread = threading.Thread(target=synchronize, name="inprocess-cuda-health", daemon=True)
-        thread.start()
-        thread.join(self.timeout.total_seconds())
-        if thread.is_alive():
+        try:
+            call_with_timeout(
+                lambda: torch.cuda.synchronize(device),
+                self.timeout.total_seconds(),
+                "inprocess-cuda-health",
+            )
+        except RestartTimeoutError as ex:
             raise HealthCheckError(
                 f"CUDA device {device}: torch.cuda.synchronize() did not finish within "
                 f"{self.timeout.total_seconds():.3g}s (the GPU is hung or overloaded)"
-            )
-        if errors:
+            ) from ex
+        except Exception as ex:
             raise HealthCheckError(
-                f"CUDA device {device}: torch.cuda.synchronize() failed: {errors[0]}"
-            ) from errors[0]
+                f"CUDA device {device}: torch.cuda.synchronize() failed: {ex}"
+            ) from ex
         log.debug("CUDA device %d synchronized", device)
         return state, train_ex
 

@@ -396,18 +396,13 @@ class StoreMixin:
             raise BarrierOverflow(f"barrier {name!r}: {arrived} arrivals for {count}")
         if arrived == count:
             self.set(done_key, self.get(f"{name}/arrivals"))
-        deadline = time.monotonic() + timeout.total_seconds()
-        poller = Poller(poll_limit)
-        while not self.check([done_key]):
-            if time.monotonic() >= deadline:
-                raise BarrierTimeout(
-                    f"barrier {name!r} timed out after {timeout.total_seconds():.3g}s "
-                    f"({self.counter(f'{name}/count')}/{count} arrived)"
-                )
-            if on_wait is not None:
-                on_wait()
-            poller.sleep(deadline)
-        return _split(self.get(done_key))
+        try:
+            return _split(self.wait_for_key(done_key, timeout, poll_limit, on_wait))
+        except RestartTimeoutError as ex:
+            raise BarrierTimeout(
+                f"barrier {name!r} timed out after {timeout.total_seconds():.3g}s "
+                f"({self.counter(f'{name}/count')}/{count} arrived)"
+            ) from ex
 
     def wait_for_key(
         self,
