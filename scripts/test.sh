@@ -3,5 +3,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
+# torch's store server resolves every client's name for its logs; where DNS is
+# unreachable that stalls it for the resolver timeout (5 s). Keep it short.
+export RES_OPTIONS="${RES_OPTIONS:-timeout:1 attempts:1}"
 .venv/bin/python -m ruff check inprocess tests benchmarks examples
 exec .venv/bin/python -m pytest "$@"
