@@ -361,6 +361,7 @@ def run_system(system: str, args: argparse.Namespace, root: Path) -> RunResult:
             if result.exit_code is None:
                 result.exit_code = proc.returncode
             result.load = (load_before, os.getloadavg()[0])
+            result.notes.append(log_summary(system, work / "launcher.log"))
     return result
 
 
@@ -478,14 +479,22 @@ def finish(
     work: Path,
     result: RunResult,
 ) -> None:
-    """Lets the job run to its end and checks its result."""
-    checkpoint = read_checkpoint(work) or {"step": 0}
-    remaining = max(args.steps - checkpoint["step"], 0)
-    timeout = remaining * args.step_time * 4 + 120
-    try:
-        result.exit_code = proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        result.notes.append(f"the job did not end within {timeout:.0f} s after the faults: stopped")
+    """Lets the job run to its end (stopped when no step is committed for ``--deadline``
+    seconds) and checks its result."""
+    checkpoint = read_checkpoint(work)
+    step = -1 if checkpoint is None else checkpoint["step"]
+    progress = time.monotonic()
+    while proc.poll() is None:
+        checkpoint = read_checkpoint(work)
+        if checkpoint is not None and checkpoint["step"] != step:
+            step, progress = checkpoint["step"], time.monotonic()
+        elif time.monotonic() - progress > args.deadline:
+            result.notes.append(
+                f"the job stalled at step {step}: no step for {args.deadline:.0f} s; stopped"
+            )
+            break
+        time.sleep(0.2)
+    result.exit_code = proc.poll()
     checkpoint = read_checkpoint(work)
     if checkpoint is not None:
         result.final_step, result.final_w = checkpoint["step"], checkpoint["w"]
@@ -495,6 +504,28 @@ def finish(
     done = {e["rank"] for e in events.finishes if e["result"]["step"] == args.steps}
     if done != set(range(WORLD)):
         result.notes.append(f"ranks that finished with step {args.steps}: {sorted(done)}")
+
+
+def log_summary(system: str, path: Path) -> str:
+    """What the launcher's log says about restarts and errors."""
+    text = path.read_text(errors="replace")
+    if system == "inprocess":
+        counts = {
+            "worker relaunches": text.count("relaunching worker"),
+            "node relaunches": text.count("relaunching node"),
+            "cold restarts": text.count("restarting all workers"),
+        }
+    else:
+        counts = {
+            "worker group failures (restarts)": text.count("failed (exitcode"),
+            "'Gloo connectFullMesh failed' lines": text.count("Gloo connectFullMesh failed"),
+            "of them 'Connection refused'": sum(
+                "Connection refused" in line
+                for line in text.splitlines()
+                if "Gloo connectFullMesh failed" in line
+            ),
+        }
+    return "launcher log: " + ", ".join(f"{k}: {v}" for k, v in counts.items())
 
 
 def seconds(value: float | None) -> str:

@@ -24,12 +24,26 @@ def single_rank(monkeypatch):
 
 
 @pytest.mark.timeout(120)
-def test_restart_in_this_process_leaves_nothing_behind(single_rank, tmp_path):
-    """Threads, the monitor process, fds, signal handlers: all gone after the call."""
+@pytest.mark.parametrize("monitor", ["forked", "spawned"])
+def test_restart_in_this_process_leaves_nothing_behind(single_rank, tmp_path, monitor):
+    """Threads, the monitor process, fds, signal handlers: all gone after the call.
+
+    With another thread alive the monitor process cannot be forked safely and is
+    started as a fresh interpreter instead; both ways must work.
+    """
     import signal
+    import threading
 
     import torch
     import torch.distributed as dist
+
+    from inprocess.monitor_process import fork_is_safe
+
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait)
+    if monitor == "spawned":
+        other.start()
+    assert fork_is_safe() == (monitor == "forked")
 
     handler = signal.getsignal(inprocess.monitor_thread.INTERRUPT_SIGNAL)
     calls = []
@@ -62,6 +76,9 @@ def test_restart_in_this_process_leaves_nothing_behind(single_rank, tmp_path):
     assert "monitoring rank" in (tmp_path / "monitor_0.log").read_text()
     # callable again: a second call is independent of the first
     assert train(2) == 2.0
+    stop.set()
+    if other.is_alive():
+        other.join()
 
 
 @pytest.mark.timeout(60)
