@@ -25,8 +25,9 @@ times in a row in each:
   ``init_process_group`` reads the gloo addresses that the previous attempt's
   workers left under the same keys (``Gloo connectFullMesh failed ... Connection
   refused`` in the log), so a restart may fail again, and again, using up
-  ``--max-restarts``. With the store not shared, the new rank 0 hosts a fresh
-  store on each restart; that is the configuration that works for torchrun.
+  ``--max-restarts``, or hang in ``init_process_group`` (pytorch/pytorch#135712).
+  With the store not shared, the new rank 0 hosts a fresh store on each
+  restart; that is the configuration that works for torchrun.
 
 One fault: wait until the job runs at full size (each of the 4 ranks' latest
 "start" event in ``events.jsonl`` has world size 4, in the same restart, since
@@ -43,11 +44,16 @@ A fault is recovered when full size comes back within ``--deadline`` seconds.
 After the faults the job runs to its end; the final checkpoint must hold
 exactly ``--steps`` steps and ``inprocess-run`` must exit 0. Every process a
 run started is killed afterwards (found by an environment tag), also on Ctrl-C
-or errors, and the table says how many were left to kill.
+or errors; the table says how many were still alive after the launcher ended.
+
+The exit status is 0 when inprocess-run recovered every fault, ended with
+exactly ``--steps`` steps and exit code 0, and recovered faster (median) than
+every torchrun configuration that recovered any fault.
 
     PYTHONWARNINGS='ignore:Failed to initialize NumPy' \\
         .venv/bin/python benchmarks/failover_vs_torchrun.py          # 20 faults each
-    .venv/bin/python benchmarks/failover_vs_torchrun.py --faults 3 --only inprocess
+    .venv/bin/python benchmarks/failover_vs_torchrun.py --faults 3 --only inprocess \\
+        --only torchrun-c10d-noshare --out dev.txt                   # a quick look
 """
 
 from __future__ import annotations
@@ -181,6 +187,7 @@ class Events:
 
 
 def free_port() -> int:
+    """A TCP port that is free now (torchrun binds it a moment later)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -384,17 +391,20 @@ def inject(
         if events.finishes:
             result.notes.append(f"fault {index} not injected: the job finished; raise --steps")
             return
-        pid = None
+        pid, killed_at = None, 0.0
         deadline = time.monotonic() + 10
-        while pid is None and time.monotonic() < deadline:
+        while not killed_at and time.monotonic() < deadline:
             pid = worker_pid(system, rank, proc, work / "state")
-            if pid is None:
+            with contextlib.suppress(ProcessLookupError):  # gone meanwhile: look again
+                if pid is not None:
+                    now = time.time()
+                    os.kill(pid, signal.SIGKILL)
+                    killed_at = now
+            if not killed_at:
                 time.sleep(POLL)
-        if pid is None:
+        if pid is None or not killed_at:
             result.notes.append(f"fault {index} not injected: no process found for rank {rank}")
             return
-        killed_at = time.time()
-        os.kill(pid, signal.SIGKILL)
         fault = Fault(index, rank, pid, killed_at)
         result.faults.append(fault)
         full = None
@@ -425,10 +435,11 @@ def inject(
             result.notes.append(describe_unrecovered(fault, events, proc))
             # Goes on only if the job comes back by itself (counted as late).
             if not wait_full(args, proc, events, killed_at, args.deadline, result):
-                result.notes.append(
-                    f"faults {index + 1}..{args.faults} not injected: "
-                    f"the job did not come back to full size"
-                )
+                if index < args.faults:
+                    result.notes.append(
+                        f"fault(s) {index + 1}..{args.faults} not injected: "
+                        f"the job did not come back to full size"
+                    )
                 return
             late = events.full_size(killed_at)
             fault.late = None if late is None else late - killed_at
@@ -517,7 +528,7 @@ def log_summary(system: str, path: Path) -> str:
         }
     else:
         counts = {
-            "worker group failures (restarts)": text.count("failed (exitcode"),
+            "worker group failures": text.count("failed (exitcode"),
             "'Gloo connectFullMesh failed' lines": text.count("Gloo connectFullMesh failed"),
             "of them 'Connection refused'": sum(
                 "Connection refused" in line
@@ -545,7 +556,7 @@ def table(results: list[RunResult]) -> str:
     head = (
         f"{'system':31} {'recovered':>9} {'median s':>8} {'p90 s':>6} {'min s':>6} "
         f"{'max s':>6} {'resumed med s':>13} {'wall s':>7} {'exit':>4} {'final step':>10} "
-        f"{'killed after':>12}"
+        f"{'leftovers':>9}"
     )
     rows = [head]
     for r in results:
@@ -557,7 +568,7 @@ def table(results: list[RunResult]) -> str:
             f"{seconds(min(rec) if rec else None):>6} {seconds(max(rec) if rec else None):>6} "
             f"{seconds(statistics.median(resumed) if resumed else None):>13} "
             f"{r.wall:>7.1f} {r.exit_code if r.exit_code is not None else '-':>4} "
-            f"{r.final_step if r.final_step is not None else '-':>10} {r.leftovers:>12}"
+            f"{r.final_step if r.final_step is not None else '-':>10} {r.leftovers:>9}"
         )
     return "\n".join(rows)
 
@@ -572,7 +583,9 @@ def report(results: list[RunResult], args: argparse.Namespace, argv: list[str]) 
         f"# {args.faults} SIGKILLs per system (seed {args.seed}), job of {args.steps} steps x "
         f"{args.step_time} s, 4 workers; settle {args.settle} s; deadline {args.deadline:.0f} s",
         "# recovery: kill -> all 4 ranks started at world size 4 (figures over recovered "
-        "faults); resumed: kill -> first start at any size",
+        "faults); resumed: kill -> first start at any size; wall: launch to exit; leftovers: "
+        "processes of the run alive after the launcher exited or was stopped (killed; none "
+        "survived)",
         "",
         table(results),
         "",
@@ -648,13 +661,23 @@ def main() -> int:
     print("\n" + text, end="")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
-    ok = all(
-        len(r.recovered) == r.planned
-        and r.final_step == args.steps
-        and (r.exit_code == 0 or r.system != "inprocess")
-        for r in results
-    )
-    return 0 if ok else 1
+    return 0 if goal_met(results, args.steps) else 1
+
+
+def goal_met(results: list[RunResult], steps: int) -> bool:
+    """The issue's bar: inprocess-run recovers every fault, ends with exactly ``steps``
+    steps and exit code 0, with a median recovery below every torchrun configuration
+    that recovered any fault (only what ran is compared)."""
+    ours = [r for r in results if r.system == "inprocess"]
+    if ours:
+        r = ours[0]
+        if len(r.recovered) != r.planned or r.final_step != steps or r.exit_code != 0:
+            return False
+        mine = statistics.median(r.recovered)
+        return all(
+            mine < statistics.median(t.recovered) for t in results if t is not r and t.recovered
+        )
+    return all(len(r.recovered) == r.planned and r.final_step == steps for r in results)
 
 
 if __name__ == "__main__":
