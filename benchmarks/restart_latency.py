@@ -6,7 +6,8 @@ process group and one all_reduce done. Measured over consecutive restarts at
 several world sizes with 5 ms monitoring intervals.
 
 Overhead: the same training loop (a 256x256 matmul step and an all_reduce of
-the gradient) run wrapped and unwrapped, alternately, on 2 ranks.
+the gradient) run wrapped and unwrapped, alternately (ABBA) in the same 2
+rank processes; only the training loop is timed.
 
     python benchmarks/restart_latency.py [--restarts 20] [--worlds 2 4 8]
 """
@@ -86,17 +87,13 @@ def restart_latencies(world: int, restarts: int, interval_ms: float) -> tuple[li
 
 
 def overhead(rounds: int, steps: int, interval: str) -> tuple[float, float]:
-    """Median wall time per step (s), unwrapped and wrapped, alternating A/B."""
-    plain, wrapped = [], []
-    for _ in range(rounds):
-        for mode, sink in (("plain", plain), ("wrapped", wrapped)):
-            with tempfile.TemporaryDirectory() as tmp:
-                run_ranks(2, [mode, str(steps), "-", interval], Path(tmp))
-                times = [
-                    json.loads((Path(tmp) / f"overhead{r}.json").read_text())["elapsed"]
-                    for r in range(2)
-                ]
-            sink.append(max(times) / steps)
+    """Median seconds per step, unwrapped and wrapped (alternating in the same processes)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        run_ranks(2, ["overhead", str(rounds), str(steps), interval], Path(tmp))
+        reports = [json.loads((Path(tmp) / f"overhead{r}.json").read_text()) for r in range(2)]
+    # a step takes as long as the slower rank
+    plain = [max(p) / steps for p in zip(*(r["plain"] for r in reports), strict=True)]
+    wrapped = [max(w) / steps for w in zip(*(r["wrapped"] for r in reports), strict=True)]
     return statistics.median(plain), statistics.median(wrapped)
 
 
@@ -105,8 +102,8 @@ def main() -> None:
     parser.add_argument("--restarts", type=int, default=20)
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--interval-ms", type=float, default=5.0)
-    parser.add_argument("--overhead-rounds", type=int, default=5)
-    parser.add_argument("--overhead-steps", type=int, default=300)
+    parser.add_argument("--overhead-rounds", type=int, default=10)
+    parser.add_argument("--overhead-steps", type=int, default=500)
     parser.add_argument("--skip-overhead", action="store_true")
     args = parser.parse_args()
 
@@ -126,7 +123,7 @@ def main() -> None:
         return
     print(
         f"\nsteady-state overhead, 2 ranks, {args.overhead_steps} steps, "
-        f"median of {args.overhead_rounds} alternating rounds"
+        f"median of {args.overhead_rounds} alternating (ABBA) blocks in the same processes"
     )
     print(
         f"{'wrapper settings':>22} {'unwrapped ms/step':>18} {'wrapped ms/step':>16} "

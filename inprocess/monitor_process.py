@@ -216,6 +216,11 @@ class _Guardian:
         self.kill_started: float | None = None
         self.kill_escalated = False
         self.next_heartbeat = 0.0
+        # Peers are checked often enough to see a missing heartbeat within a
+        # twentieth of the timeout, not every interval: at scale every check
+        # costs the store a read per watched peer.
+        self.watch_period = max(config.interval, config.heartbeat_timeout / 20)
+        self.next_watch = 0.0
         self.peer_seen: dict[str, tuple[int, float]] = {}
         self.membership_iteration = -1
         self.peers: list[str] = []
@@ -250,7 +255,9 @@ class _Guardian:
                 if now >= self.next_heartbeat:
                     self.store.send_heartbeat(self.config.identity)
                     self.next_heartbeat = now + self.config.heartbeat_interval
-                self.watch_peers(now)
+                if now >= self.next_watch:
+                    self.watch_peers(now)
+                    self.next_watch = now + self.watch_period
             except Exception as ex:
                 log.warning("store unavailable: %s", ex)
 
@@ -299,12 +306,14 @@ class _Guardian:
             _send(pid, signal.SIGCONT, signal.SIGTERM, signal.SIGKILL)
 
     def watch_peers(self, now: float) -> None:
-        membership = self.store.membership()
-        if membership is None:
-            return
-        iteration, members = membership
+        _, _, _, iteration, _ = self.board.read()
         if iteration != self.membership_iteration:
+            # A new iteration of this rank: read who its peers are now.
+            membership = self.store.membership()
+            if membership is None or membership[0] != iteration:
+                return  # not published yet: next time
             self.membership_iteration = iteration
+            members = membership[1]
             self.peers = _ring_successors(members, self.config.identity, WATCHED_PEERS)
             self.peer_seen = {p: v for p, v in self.peer_seen.items() if p in self.peers}
         if not self.peers:

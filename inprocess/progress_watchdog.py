@@ -20,7 +20,6 @@ import ctypes
 import logging
 import mmap
 import os
-import struct
 import threading
 import time
 
@@ -51,43 +50,54 @@ def _pending_call_ran() -> bool:
 class ProgressBoard:
     """Shared memory between a rank and its monitor process (``CLOCK_MONOTONIC`` times).
 
-    Layout (little endian): auto timestamp (double), manual timestamp (double),
-    manual active (int64), iteration (int64), finished flag (int64). Every field is
-    an aligned 8-byte word written with a single store, so a reader never sees a
-    torn value.
+    Five aligned 8-byte words: auto timestamp, manual timestamp (doubles),
+    manual active, iteration, finished flag (int64). Each is written with one
+    8-byte store through a typed memoryview, so a reader in the other process
+    never sees a torn or half-written value. (``struct.pack_into`` is not safe
+    here: it clears its target before writing it, and a reader can see the
+    zeros; they once read as "no progress since boot" and killed a healthy rank.)
     """
 
-    _FORMAT = "<ddqqq"
-    SIZE = struct.calcsize(_FORMAT)
+    _WORDS = 5
+    SIZE = _WORDS * 8
+    _AUTO, _MANUAL, _ACTIVE, _ITERATION, _FINISHED = range(_WORDS)
 
     def __init__(self, fd: int | None = None) -> None:
+        created = fd is None
         if fd is None:
             fd = os.memfd_create("inprocess-progress", 0)
             os.ftruncate(fd, self.SIZE)
+        self.fd = fd
+        self._map = mmap.mmap(fd, self.SIZE)
+        self._doubles = memoryview(self._map).cast("d")
+        self._ints = memoryview(self._map).cast("q")
+        if created:
             now = time.monotonic()
-            self.fd = fd
-            self._map = mmap.mmap(fd, self.SIZE)
-            struct.pack_into(self._FORMAT, self._map, 0, now, now, 0, 0, 0)
-        else:
-            self.fd = fd
-            self._map = mmap.mmap(fd, self.SIZE)
+            self._doubles[self._AUTO] = now
+            self._doubles[self._MANUAL] = now
 
     def write_auto(self, ts: float) -> None:
-        struct.pack_into("<d", self._map, 0, ts)
+        self._doubles[self._AUTO] = ts
 
     def write_manual(self, ts: float, active: bool) -> None:
-        struct.pack_into("<d", self._map, 8, ts)
-        struct.pack_into("<q", self._map, 16, int(active))
+        self._doubles[self._MANUAL] = ts
+        self._ints[self._ACTIVE] = int(active)
 
     def write_iteration(self, iteration: int) -> None:
-        struct.pack_into("<q", self._map, 24, iteration)
+        self._ints[self._ITERATION] = iteration
 
     def write_finished(self) -> None:
-        struct.pack_into("<q", self._map, 32, 1)
+        self._ints[self._FINISHED] = 1
 
     def read(self) -> tuple[float, float, bool, int, bool]:
-        auto, manual, active, iteration, finished = struct.unpack_from(self._FORMAT, self._map, 0)
-        return auto, manual, bool(active), iteration, bool(finished)
+        d, i = self._doubles, self._ints
+        return (
+            d[self._AUTO],
+            d[self._MANUAL],
+            bool(i[self._ACTIVE]),
+            i[self._ITERATION],
+            bool(i[self._FINISHED]),
+        )
 
     def last_progress(self) -> float:
         """The older of the relevant timestamps: progress is only as fresh as both."""
@@ -95,6 +105,8 @@ class ProgressBoard:
         return min(auto, manual) if active else auto
 
     def close(self) -> None:
+        self._doubles.release()
+        self._ints.release()
         self._map.close()
         os.close(self.fd)
 

@@ -265,3 +265,42 @@ def test_progress_watchdog_sees_a_blocked_main_thread():
     finally:
         watchdog.shutdown()
         board.close()
+
+
+def test_progress_board_is_never_read_half_written():
+    """A reader in another process must never see a timestamp being written.
+
+    ``struct.pack_into`` clears a field before writing it; a monitor process
+    that read such a zero took it for "no progress since boot" and killed a
+    healthy rank. The board writes each field with one 8-byte store.
+    """
+    import os
+
+    board = ProgressBoard()
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the reader
+        code = 0
+        try:
+            reader = ProgressBoard(os.dup(board.fd))
+            os.write(ready_w, b"r")
+            end = time.monotonic() + 1.5
+            while time.monotonic() < end:
+                auto, manual, _, _, _ = reader.read()
+                if auto <= 0 or manual <= 0:
+                    code = 1
+                    break
+        finally:
+            os._exit(code)
+    try:
+        os.read(ready_r, 1)
+        end = time.monotonic() + 1.5
+        while time.monotonic() < end:
+            board.write_auto(time.monotonic())
+            board.write_manual(time.monotonic(), True)
+    finally:
+        _, status = os.waitpid(pid, 0)
+        os.close(ready_r)
+        os.close(ready_w)
+        board.close()
+    assert os.waitstatus_to_exitcode(status) == 0, "the reader saw a half-written field"

@@ -73,27 +73,31 @@ def training_loop(steps: int) -> float:
     return time.perf_counter() - start
 
 
-def overhead(wrapped: bool, steps: int, interval_ms: float | None) -> None:
-    def run() -> float:
+def overhead(rounds: int, steps: int, interval_ms: float | None) -> None:
+    """Alternates unwrapped and wrapped blocks of the same loop in these processes."""
+    kwargs = {}
+    if interval_ms is not None:
+        fast = interval_ms * ms
+        kwargs = dict(
+            monitor_thread_interval=fast,
+            monitor_process_interval=fast,
+            progress_watchdog_interval=fast,
+        )
+
+    def block() -> float:
         dist.init_process_group("gloo")
-        training_loop(20)  # warm-up
+        training_loop(10)  # warm-up: first collectives, allocator
         elapsed = training_loop(steps)
         dist.destroy_process_group()
         return elapsed
 
-    if wrapped:
-        kwargs = {}
-        if interval_ms is not None:
-            fast = interval_ms * ms
-            kwargs = dict(
-                monitor_thread_interval=fast,
-                monitor_process_interval=fast,
-                progress_watchdog_interval=fast,
-            )
-        elapsed = inprocess.Wrapper(**kwargs)(run)()
-    else:
-        elapsed = run()
-    (OUT / f"overhead{RANK}.json").write_text(json.dumps({"elapsed": elapsed}))
+    wrapped_block = inprocess.Wrapper(**kwargs)(block)
+    times: dict[str, list[float]] = {"plain": [], "wrapped": []}
+    for i in range(rounds):
+        order = ("plain", "wrapped") if i % 2 == 0 else ("wrapped", "plain")  # ABBA
+        for mode in order:
+            times[mode].append(wrapped_block() if mode == "wrapped" else block())
+    (OUT / f"overhead{RANK}.json").write_text(json.dumps(times))
 
 
 if __name__ == "__main__":
@@ -102,4 +106,4 @@ if __name__ == "__main__":
         restarts(int(sys.argv[3]), float(sys.argv[4]))
     else:
         interval = None if sys.argv[5] == "default" else float(sys.argv[5])
-        overhead(MODE == "wrapped", int(sys.argv[3]), interval)
+        overhead(int(sys.argv[3]), int(sys.argv[4]), interval)
