@@ -17,8 +17,9 @@ other socket of the process can have such an address: the store's and the
 user's sockets are never touched.
 
 Never touch the listening socket: gloo's accept loop treats an error there as
-fatal and terminates the process. The sockets are shut down with the fd-reuse
-safe helpers of :mod:`inprocess.sockets`.
+fatal and terminates the process (only established connections are listed).
+The connections are shut down with the fd-reuse safe helpers of
+:mod:`inprocess.sockets`.
 """
 
 from __future__ import annotations
@@ -30,19 +31,13 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from .exception import TimeoutError as RestartTimeoutError
-from .sockets import (
-    TCP_ESTABLISHED,
-    TcpSocket,
-    process_tcp_sockets,
-    shutdown_sockets,
-    socket_fds,
-)
+from .sockets import Address, TcpConnection, shutdown_connections, tcp_connections
 from .timeouts import call_with_timeout
 
 log = logging.getLogger(__name__)
 
 
-def _sockaddr_matches(blob: bytes, address: tuple[int, bytes, int]) -> bool:
+def _sockaddr_matches(blob: bytes, address: Address) -> bool:
     """Whether ``blob`` contains a ``sockaddr`` for ``address``."""
     family, host, port = address
     if family == socket.AF_INET6 and host[:12] == b"\x00" * 10 + b"\xff\xff":
@@ -111,23 +106,20 @@ def gloo_groups() -> Iterator[tuple[Any, Any]]:
             yield pg, store
 
 
-def group_sockets(groups: Iterable[tuple[Any, Any]], timeout: float = 2.0) -> list[TcpSocket]:
-    """Established sockets of this process that belong to ``groups``."""
+def group_connections(
+    groups: Iterable[tuple[Any, Any]], timeout: float = 2.0
+) -> list[TcpConnection]:
+    """Established connections of this process that belong to ``groups``."""
     blobs: list[bytes] = []
     for pg, store in groups:
         blobs.extend(_gloo_address_blobs(pg, store, timeout))
     if not blobs:
         return []
-    owned = socket_fds()
-    matched = []
-    for sock in process_tcp_sockets():
-        if sock.inode not in owned or sock.state != TCP_ESTABLISHED:
-            continue
-        if any(
-            _sockaddr_matches(b, sock.local) or _sockaddr_matches(b, sock.remote) for b in blobs
-        ):
-            matched.append(sock)
-    return matched
+    return [
+        conn
+        for conn in tcp_connections()
+        if any(_sockaddr_matches(b, conn.local) or _sockaddr_matches(b, conn.remote) for b in blobs)
+    ]
 
 
 def release_blocked_collectives(timeout: float = 2.0) -> int:
@@ -135,6 +127,6 @@ def release_blocked_collectives(timeout: float = 2.0) -> int:
     groups = list(gloo_groups())
     if not groups:
         return 0
-    released = shutdown_sockets(group_sockets(groups, timeout))
+    released = shutdown_connections(group_connections(groups, timeout))
     log.debug("shut down %d gloo sockets of %d groups", released, len(groups))
     return released

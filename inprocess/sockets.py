@@ -1,13 +1,18 @@
-"""This process's TCP sockets, identified by inode, and a safe way to shut one down.
+"""This process's TCP connections, and a safe way to shut one down.
 
 Used to break connections that a blocked thread waits on (a gloo pair, a store
 read during process group initialization). Two rules make it safe:
 
-* sockets are identified by their inode (from ``/proc``), never by address guesses;
+* a socket is identified by its inode, read from the fd's ``/proc`` link;
 * an fd number is never acted on directly: gloo and the process close and reuse
   fds at any time. The fd is duplicated first and the duplicate's inode is
-  compared with the socket's; ``shutdown`` on the verified duplicate acts on the
-  right socket whatever happened to the original fd.
+  compared with the socket's; every query and the ``shutdown`` go through the
+  verified duplicate, which refers to the right socket whatever happens to the
+  original fd.
+
+Addresses come from ``getsockname``/``getpeername`` on the duplicate, for this
+process's sockets only (reading ``/proc/net/tcp`` instead costs time in
+proportion to every socket of the machine).
 """
 
 from __future__ import annotations
@@ -16,64 +21,24 @@ import contextlib
 import logging
 import os
 import socket
-import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
-TCP_ESTABLISHED = "01"
-TCP_LISTEN = "0A"
+Address = tuple[int, bytes, int]  # family, packed host, port
 
 
 @dataclass(frozen=True)
-class TcpSocket:
+class TcpConnection:
+    """An established TCP connection of this process."""
+
     inode: int
-    local: tuple[int, bytes, int]  # family, address bytes, port
-    remote: tuple[int, bytes, int]
-    state: str
+    local: Address
+    remote: Address
 
 
-def _parse_proc_address(text: str, family: int) -> tuple[int, bytes, int]:
-    host, port = text.split(":")
-    raw = bytes.fromhex(host)
-    # /proc prints each 32-bit word in host byte order.
-    words = [raw[i : i + 4] for i in range(0, len(raw), 4)]
-    if struct.pack("=I", 1) == struct.pack("<I", 1):
-        words = [w[::-1] for w in words]
-    return family, b"".join(words), int(port, 16)
-
-
-def process_tcp_sockets() -> list[TcpSocket]:
-    """TCP sockets of this network namespace, with their inodes."""
-    sockets = []
-    for path, family in (
-        ("/proc/self/net/tcp", socket.AF_INET),
-        ("/proc/self/net/tcp6", socket.AF_INET6),
-    ):
-        try:
-            with open(path) as f:
-                lines = f.read().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            if len(fields) < 10:
-                continue
-            inode = int(fields[9])
-            if inode == 0:
-                continue
-            sockets.append(
-                TcpSocket(
-                    inode=inode,
-                    local=_parse_proc_address(fields[1], family),
-                    remote=_parse_proc_address(fields[2], family),
-                    state=fields[3],
-                )
-            )
-    return sockets
-
-
-def socket_fds() -> dict[int, int]:
+def socket_inodes() -> dict[int, int]:
     """Map socket inode -> fd for this process's open sockets."""
     result = {}
     for name in os.listdir("/proc/self/fd"):
@@ -86,33 +51,62 @@ def socket_fds() -> dict[int, int]:
     return result
 
 
-def shutdown_socket(inode: int, fd: int) -> bool:
-    """``shutdown(SHUT_RDWR)`` on the socket ``inode`` if ``fd`` still refers to it."""
+@contextlib.contextmanager
+def _verified(inode: int, fd: int) -> Iterator[socket.socket | None]:
+    """A socket object on a duplicate of ``fd``, if ``fd`` still is socket ``inode``."""
     try:
         dup = os.dup(fd)
     except OSError:
-        return False  # already closed by its owner
+        yield None  # already closed by its owner
+        return
+    sock = None
     try:
-        if os.fstat(dup).st_ino != inode:
-            return False  # fd was reused for something else
-        sock = socket.socket(fileno=dup)
-        try:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-            return True
-        finally:
-            sock.detach()
+        if os.fstat(dup).st_ino == inode:
+            sock = socket.socket(fileno=dup)
+            yield sock
+        else:
+            yield None  # the fd was reused for something else
     finally:
+        if sock is not None:
+            sock.detach()
         os.close(dup)
 
 
-def shutdown_sockets(sockets: list[TcpSocket]) -> int:
-    """Shuts down each socket still open in this process; returns how many."""
-    fds = socket_fds()
+def _address(family: int, raw: tuple) -> Address:
+    return family, socket.inet_pton(family, raw[0].split("%")[0]), raw[1]
+
+
+def tcp_connections(inodes: dict[int, int] | None = None) -> list[TcpConnection]:
+    """Established TCP connections of this process (listening sockets excluded)."""
+    found = []
+    for inode, fd in (inodes if inodes is not None else socket_inodes()).items():
+        with _verified(inode, fd) as sock:
+            if sock is None or sock.type != socket.SOCK_STREAM:
+                continue
+            if sock.family not in (socket.AF_INET, socket.AF_INET6):
+                continue
+            try:
+                local = _address(sock.family, sock.getsockname())
+                remote = _address(sock.family, sock.getpeername())
+            except OSError:
+                continue  # listening, or not connected
+            found.append(TcpConnection(inode, local, remote))
+    return found
+
+
+def shutdown_connections(connections: list[TcpConnection]) -> int:
+    """``shutdown(SHUT_RDWR)`` each connection still open; returns how many."""
+    inodes = socket_inodes()
     count = 0
-    for sock in sockets:
-        fd = fds.get(sock.inode)
-        if fd is not None and shutdown_socket(sock.inode, fd):
-            log.debug("shut down fd %d: %s", fd, sock)
+    for conn in connections:
+        fd = inodes.get(conn.inode)
+        if fd is None:
+            continue
+        with _verified(conn.inode, fd) as sock:
+            if sock is None:
+                continue
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            log.debug("shut down fd %d: %s", fd, conn)
             count += 1
     return count

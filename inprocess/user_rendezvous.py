@@ -36,7 +36,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from .sockets import TCP_ESTABLISHED, process_tcp_sockets, shutdown_sockets, socket_fds
+from .sockets import shutdown_connections, socket_inodes, tcp_connections
 from .store import AGENT_STORE_ENV, PrefixStore, TCPStore
 
 log = logging.getLogger(__name__)
@@ -51,16 +51,10 @@ def release_rendezvous_connections() -> int:
     baseline, port = _baseline, os.environ.get("MASTER_PORT")
     if baseline is None or port is None:
         return 0
-    fresh = [
-        sock
-        for sock in process_tcp_sockets()
-        if sock.inode not in baseline
-        and sock.remote[2] == int(port)
-        and sock.state == TCP_ESTABLISHED
-    ]
-    owned = socket_fds()
-    fresh = [sock for sock in fresh if sock.inode in owned]
-    released = shutdown_sockets(fresh)
+    fresh = {inode: fd for inode, fd in socket_inodes().items() if inode not in baseline}
+    released = shutdown_connections(
+        [conn for conn in tcp_connections(fresh) if conn.remote[2] == int(port)]
+    )
     log.debug("shut down %d rendezvous connections", released)
     return released
 
@@ -99,7 +93,7 @@ def fresh_env_rendezvous(store: PrefixStore, iteration: int) -> Iterator[None]:
     if _serves_master_address(store.base_store):
         os.environ[AGENT_STORE_ENV] = str(True)
     handlers["env"] = handler
-    _baseline = set(socket_fds())
+    _baseline = set(socket_inodes())
     try:
         yield
     finally:

@@ -73,7 +73,8 @@ _UNSET: Any = object()
 _call_counter = itertools.count()
 
 # The poll interval of barriers inside the restart procedure: short waits that
-# everybody is blocked on, so they poll fast (backing off up to this).
+# everybody is blocked on, so they poll fast, backing off up to this (or up to
+# monitor_thread_interval when that is shorter).
 _RESTART_POLL_LIMIT = 0.02
 
 
@@ -514,6 +515,7 @@ class CallWrapper:
             _restore_environment("RANK", "WORLD_SIZE", "TORCHELASTIC_USE_AGENT_STORE")
         )
         self._seconds = seconds
+        self._restart_poll = min(_RESTART_POLL_LIMIT, seconds["monitor_thread_interval"])
 
     def _release_store(self) -> None:
         """Drops every reference to the store, so its connections (and a server
@@ -545,7 +547,7 @@ class CallWrapper:
             self.identity,
             s.initial_world_size,
             _td(self._seconds["barrier_timeout"]),
-            _RESTART_POLL_LIMIT,
+            self._restart_poll,
         )
         members = sorted(arrived, key=initial_rank_of)
         ranks = [initial_rank_of(m) for m in members]
@@ -585,7 +587,7 @@ class CallWrapper:
                     value,
                     _td(self._seconds["barrier_timeout"]),
                     functools.partial(_decide_membership, self.store),
-                    _RESTART_POLL_LIMIT,
+                    self._restart_poll,
                 )
             )
             if "error" in decision:
@@ -668,7 +670,7 @@ class CallWrapper:
                 "",
                 _td(self._seconds["barrier_timeout"]),
                 decide,
-                _RESTART_POLL_LIMIT,
+                self._restart_poll,
             )
         )
         return set(decision["terminated"]), list(decision["joiners"])
@@ -840,7 +842,7 @@ class CallWrapper:
         store.request_join(self.identity)
         log.info("%s: asked to join the running job", self.identity)
         deadline = time.monotonic() + self._seconds["barrier_timeout"] * 4
-        poller = _poller(_RESTART_POLL_LIMIT)
+        poller = _poller(self._restart_poll)
         membership = store.membership()
         iteration = membership[0] if membership else 0
         while time.monotonic() < deadline:
