@@ -161,3 +161,16 @@ def test_keyboard_interrupt_and_system_exit_end_the_wrapper(tmp_path, kind, exce
     assert result.ranks[1].returncode != 0
     # the others go on without it
     assert_completed(result, 3, iterations=1, alive=[0, 2])
+
+
+@pytest.mark.timeout(180)
+def test_consecutive_calls_of_the_wrapped_function(tmp_path):
+    """A job calling the wrapped function again and again (a fault in each call)."""
+    faults = [{"iteration": 0, "rank": 1, "step": 2, "kind": "raise", "others": "allreduce"}]
+    result = run_job("scenario.py", 3, tmp_path, spec(faults=faults, calls=3), timeout=150)
+    for rank in range(3):
+        assert result.ranks[rank].returncode == 0, result.describe()
+        calls = result.report(rank)["calls"]
+        assert [c["iteration"] for c in calls] == [1, 1, 1]
+        assert all(c["world"] == 3 and c["sum"] == 6 for c in calls)
+    assert not result.leftovers

@@ -249,9 +249,11 @@ def train(call_wrapper: inprocess.CallWrapper = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
+    results = []
     try:
-        result = train()
+        for _ in range(SPEC.get("calls", 1)):  # consecutive calls of the wrapped function
+            results.append(train())
     except BaseException as ex:
-        write_report(returned=None, exception=type(ex).__name__, message=str(ex))
+        write_report(returned=None, exception=type(ex).__name__, message=str(ex), calls=results)
         raise
-    write_report(returned=result, exception=None)
+    write_report(returned=results[-1], exception=None, calls=results)
