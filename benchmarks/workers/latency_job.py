@@ -84,8 +84,19 @@ def overhead(rounds: int, steps: int, interval_ms: float | None) -> None:
             progress_watchdog_interval=fast,
         )
 
-    def block() -> float:
-        dist.init_process_group("gloo")
+    world = int(os.environ["WORLD_SIZE"])
+    # The unwrapped blocks rendezvous in a store of their own, a fresh prefix each
+    # time (what a plain script that initializes repeatedly must do).
+    plain_store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 1, world, RANK == 0
+    )
+    blocks = iter(range(10**6))
+
+    def block(store: dist.Store | None = None) -> float:
+        if store is None:
+            dist.init_process_group("gloo")  # the Wrapper makes env:// fresh per call
+        else:
+            dist.init_process_group("gloo", store=store, rank=RANK, world_size=world)
         training_loop(10)  # warm-up: first collectives, allocator
         elapsed = training_loop(steps)
         dist.destroy_process_group()
@@ -96,7 +107,10 @@ def overhead(rounds: int, steps: int, interval_ms: float | None) -> None:
     for i in range(rounds):
         order = ("plain", "wrapped") if i % 2 == 0 else ("wrapped", "plain")  # ABBA
         for mode in order:
-            times[mode].append(wrapped_block() if mode == "wrapped" else block())
+            if mode == "wrapped":
+                times[mode].append(wrapped_block())
+            else:
+                times[mode].append(block(dist.PrefixStore(f"plain/{next(blocks)}", plain_store)))
     (OUT / f"overhead{RANK}.json").write_text(json.dumps(times))
 
 
