@@ -45,7 +45,7 @@ import os
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import torch.distributed as dist
 
@@ -443,14 +443,7 @@ class TCPStore(dist.TCPStore, StoreMixin):
     says that a launcher hosts it (as ``inprocess-run`` does). A port that is
     already taken by another process is an error, never a silent fallback to a
     client of whatever listens there.
-
-    A server this process hosts stays up until the process exits (or
-    :meth:`release_hosted`): the next call of a wrapped function shares it
-    (torch's multi-tenancy), so another rank starting that call never connects
-    to a server that is about to shut down.
     """
-
-    _hosted: ClassVar[dict[int, TCPStore]] = {}
 
     def __init__(
         self,
@@ -496,13 +489,6 @@ class TCPStore(dist.TCPStore, StoreMixin):
             raise StoreError(f"cannot {role} the store at {host_name}:{port}: {ex}") from ex
         self.host_name = host_name
         self.is_master = is_master
-        if is_master and multi_tenant:
-            TCPStore._hosted.setdefault(self.port, self)
-
-    @classmethod
-    def release_hosted(cls) -> None:
-        """Shuts down the store servers this process hosts (once nothing else uses them)."""
-        cls._hosted.clear()
 
     @classmethod
     def client(cls, **kwargs: Any) -> TCPStore:

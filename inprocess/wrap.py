@@ -72,6 +72,17 @@ log = logging.getLogger(__name__)
 _UNSET: Any = object()
 _call_counter = itertools.count()
 
+#: store servers this process hosts for the Wrapper, by port. A server stays up
+#: after its call ends: the next call shares it (torch's multi-tenancy), so a
+#: rank that starts that call early never connects to a server about to shut
+#: down. Released when the process exits, or by release_hosted_stores().
+_hosted_stores: dict[int, Any] = {}
+
+
+def release_hosted_stores() -> None:
+    """Shuts down the store servers the Wrapper keeps hosting in this process."""
+    _hosted_stores.clear()
+
 # The poll interval of barriers inside the restart procedure: short waits that
 # everybody is blocked on, so they poll fast, backing off up to this (or up to
 # monitor_thread_interval when that is shorter).
@@ -445,6 +456,8 @@ class CallWrapper:
         seconds = _seconds(w)
         self.namespace = f"inprocess/{job_namespace()}/call{next(_call_counter)}"
         raw = w.store_factory(**w.store_kwargs)
+        if getattr(raw, "is_master", False):
+            _hosted_stores.setdefault(raw.port, raw)
         cleanup.callback(self._release_store)
         cleanup.callback(self._wait_for_exit_if_hosting, raw)
         self.store = PrefixStore(self.namespace, raw)

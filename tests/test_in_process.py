@@ -76,7 +76,7 @@ def test_restart_in_this_process_leaves_nothing_behind(single_rank, tmp_path, mo
     assert "monitoring rank" in (tmp_path / "monitor_0.log").read_text()
     # callable again: a second call is independent of the first (and shares the server)
     assert train(2) == 2.0
-    inprocess.store.TCPStore.release_hosted()
+    inprocess.wrap.release_hosted_stores()
     stop.set()
     if other.is_alive():
         other.join()

@@ -72,7 +72,13 @@ def test_successive_exceptions_recovered_without_losing_a_rank(tmp_path, world, 
         "scenario.py",
         world,
         tmp_path,
-        spec(faults=successive_faults(world, faults, seed=world), python_step_seconds=0.1),
+        # 20 steps: in "python" mode the others are still in Python code (2 s
+        # of steps) when the fault lands, even on a loaded machine
+        spec(
+            faults=successive_faults(world, faults, seed=world),
+            python_step_seconds=0.1,
+            steps=20,
+        ),
         timeout=200,
     )
     assert_completed(result, world, iterations=faults)
