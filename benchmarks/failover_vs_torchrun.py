@@ -83,6 +83,8 @@ from typing import Any
 
 import psutil
 
+from inprocess.failover.supervisor import processes_with_env
+
 REPO = Path(__file__).resolve().parents[1]
 WORLD = 4
 #: environment variable marking every process of one run, to find them all at the end
@@ -201,14 +203,7 @@ def launcher(name: str, module: str) -> list[str]:
 
 def tagged(tag: str) -> list[psutil.Process]:
     """Live processes started by one run (they inherit its tag)."""
-    found = []
-    for proc in psutil.process_iter(["pid"]):
-        if proc.pid == os.getpid():
-            continue
-        with contextlib.suppress(psutil.Error):
-            if proc.environ().get(TAG_VAR) == tag and proc.status() != psutil.STATUS_ZOMBIE:
-                found.append(proc)
-    return found
+    return processes_with_env(TAG_VAR, tag)
 
 
 def stop_all(proc: subprocess.Popen[bytes], tag: str) -> int:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import logging
 import os
 import random
@@ -28,6 +27,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from job_state import JobState  # examples/job_state.py, next to this script
 
 import inprocess
 
@@ -48,35 +48,11 @@ args = parser.parse_args()
 
 RANK = int(os.environ["RANK"])
 INCARNATION = int(os.environ.get("INPROCESS_WORKER_INCARNATION", "0"))
-args.result_dir.mkdir(parents=True, exist_ok=True)
-CHECKPOINT = args.result_dir / "checkpoint.json"
-EVENTS = args.result_dir / "events.jsonl"
+JOB = JobState(args.result_dir, RANK, INCARNATION)
 logging.basicConfig(
     level=os.environ.get("TRAIN_LOG_LEVEL", "WARNING"),
     format=f"%(asctime)s worker{RANK} %(name)s %(levelname)s %(message)s",
 )
-
-
-def record(kind: str, **data: object) -> None:
-    line = json.dumps(
-        {"kind": kind, "rank": RANK, "incarnation": INCARNATION, "time": time.time(), **data}
-    )
-    with open(EVENTS, "a") as f:  # short appends of whole lines: safe across processes
-        f.write(line + "\n")
-
-
-def load_checkpoint() -> tuple[int, float]:
-    try:
-        data = json.loads(CHECKPOINT.read_text())
-        return data["step"], data["w"]
-    except FileNotFoundError:
-        return 0, 0.0
-
-
-def save_checkpoint(step: int, w: float) -> None:
-    tmp = CHECKPOINT.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"step": step, "w": w}))
-    os.replace(tmp, CHECKPOINT)
 
 
 def crashes_so_far() -> int:
@@ -102,16 +78,16 @@ ms = datetime.timedelta(milliseconds=1)
 def train(call_wrapper: inprocess.CallWrapper | None = None) -> dict[str, object]:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
-    step, w = load_checkpoint()
+    step, w = JOB.load_checkpoint()
     grad = torch.ones(1)
     dist.all_reduce(grad)  # the group works: training (re)starts now
-    record("start", iteration=call_wrapper.iteration, active_rank=rank, world=world, step=step)
+    JOB.record("start", iteration=call_wrapper.iteration, active_rank=rank, world=world, step=step)
     started_at = step
     while step < args.steps:
         if args.fault_every and step > 0 and step % args.fault_every == 0 and step != started_at:
             # every rank draws the same victim for this step
             if rank == random.Random(f"{args.seed}-{step}").randrange(world):
-                record("fault", fault="exception", step=step)
+                JOB.record("fault", fault="exception", step=step)
                 raise RuntimeError(f"injected fault at step {step}")
         if (
             RANK == args.crash_rank
@@ -119,7 +95,7 @@ def train(call_wrapper: inprocess.CallWrapper | None = None) -> dict[str, object
             and crashes_so_far() < args.crash_times
         ):
             (args.result_dir / f"crashes{RANK}").write_text(str(crashes_so_far() + 1))
-            record("fault", fault="crash", step=step)
+            JOB.record("fault", fault="crash", step=step)
             os._exit(3)
         time.sleep(args.step_time)  # the "forward and backward pass"
         grad = torch.ones(1)
@@ -128,7 +104,7 @@ def train(call_wrapper: inprocess.CallWrapper | None = None) -> dict[str, object
         step += 1
         with call_wrapper.atomic():
             if rank == 0:
-                save_checkpoint(step, w)
+                JOB.save_checkpoint(step, w)
         call_wrapper.ping()
     dist.destroy_process_group()
     return {"step": step, "w": w, "world": world}
@@ -136,4 +112,4 @@ def train(call_wrapper: inprocess.CallWrapper | None = None) -> dict[str, object
 
 if __name__ == "__main__":
     result = train()
-    record("finish", result=result)
+    JOB.record("finish", result=result)

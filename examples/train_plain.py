@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from job_state import JobState  # examples/job_state.py, next to this script
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=200)
@@ -36,42 +36,17 @@ args = parser.parse_args()
 
 RANK = int(os.environ["RANK"])
 RESTART = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-args.result_dir.mkdir(parents=True, exist_ok=True)
-CHECKPOINT = args.result_dir / "checkpoint.json"
-EVENTS = args.result_dir / "events.jsonl"
-
-
-def record(kind: str, **data: object) -> None:
-    """Appends one event line, in the format of ``train.py``."""
-    line = json.dumps(
-        {"kind": kind, "rank": RANK, "incarnation": RESTART, "time": time.time(), **data}
-    )
-    with open(EVENTS, "a") as f:  # short appends of whole lines: safe across processes
-        f.write(line + "\n")
-
-
-def load_checkpoint() -> tuple[int, float]:
-    try:
-        data = json.loads(CHECKPOINT.read_text())
-        return data["step"], data["w"]
-    except FileNotFoundError:
-        return 0, 0.0
-
-
-def save_checkpoint(step: int, w: float) -> None:
-    tmp = CHECKPOINT.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"step": step, "w": w}))
-    os.replace(tmp, CHECKPOINT)
+JOB = JobState(args.result_dir, RANK, RESTART)
 
 
 def train() -> dict[str, object]:
     """Same steps as ``train.py``'s ``train``, without ``call_wrapper``."""
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
-    step, w = load_checkpoint()
+    step, w = JOB.load_checkpoint()
     grad = torch.ones(1)
     dist.all_reduce(grad)  # the group works: training (re)starts now
-    record("start", iteration=RESTART, active_rank=rank, world=world, step=step)
+    JOB.record("start", iteration=RESTART, active_rank=rank, world=world, step=step)
     while step < args.steps:
         time.sleep(args.step_time)  # the "forward and backward pass"
         grad = torch.ones(1)
@@ -79,11 +54,11 @@ def train() -> dict[str, object]:
         w += grad.item() / world
         step += 1
         if rank == 0:
-            save_checkpoint(step, w)
+            JOB.save_checkpoint(step, w)
     dist.destroy_process_group()
     return {"step": step, "w": w, "world": world}
 
 
 if __name__ == "__main__":
     result = train()
-    record("finish", result=result)
+    JOB.record("finish", result=result)

@@ -17,6 +17,8 @@ from typing import Any
 
 import psutil
 
+from inprocess.failover.supervisor import processes_with_env
+
 REPO = Path(__file__).resolve().parent.parent
 WORKERS = Path(__file__).resolve().parent / "workers"
 MARKER = "INPROCESS_TEST_JOB"
@@ -30,14 +32,7 @@ def free_port() -> int:
 
 def job_processes(marker: str) -> list[psutil.Process]:
     """Every live process carrying the job's marker (ranks and their monitors, forked or not)."""
-    found = []
-    for proc in psutil.process_iter(["pid"]):
-        if proc.pid == os.getpid():
-            continue
-        with contextlib.suppress(psutil.Error):
-            if proc.environ().get(MARKER) == marker and proc.status() != psutil.STATUS_ZOMBIE:
-                found.append(proc)
-    return found
+    return processes_with_env(MARKER, marker)
 
 
 @dataclasses.dataclass

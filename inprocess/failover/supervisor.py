@@ -43,19 +43,25 @@ def _become_subreaper() -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
 
 
-def job_processes(job_id: str) -> list[psutil.Process]:
-    """Live processes of the job: those started with ``INPROCESS_JOB_ID=<job_id>``."""
+def processes_with_env(name: str, value: str) -> list[psutil.Process]:
+    """Live processes (but this one) whose environment has ``name=value``.
+
+    Children inherit their parent's environment, so a marker set when a job
+    starts finds every process of it, forked or not, whoever its parent is now.
+    """
     found = []
     for proc in psutil.process_iter(["pid"]):
         if proc.pid == os.getpid():
             continue
         with contextlib.suppress(psutil.Error):
-            if (
-                proc.environ().get("INPROCESS_JOB_ID") == job_id
-                and proc.status() != psutil.STATUS_ZOMBIE
-            ):
+            if proc.environ().get(name) == value and proc.status() != psutil.STATUS_ZOMBIE:
                 found.append(proc)
     return found
+
+
+def job_processes(job_id: str) -> list[psutil.Process]:
+    """Live processes of the job: those started with ``INPROCESS_JOB_ID=<job_id>``."""
+    return processes_with_env("INPROCESS_JOB_ID", job_id)
 
 
 class Supervisor:
