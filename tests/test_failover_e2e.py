@@ -313,3 +313,16 @@ def test_missing_script_and_reused_state_dir(tmp_path):
     )
     assert result.returncode == 2 and "old" in result.stderr, result.stderr
     assert (tmp_path / "s" / "state.json").read_bytes() == before
+
+
+@pytest.mark.timeout(180)
+def test_ctrl_c_stops_the_job_cleanly(tmp_path):
+    """SIGINT to the launcher's process group (a terminal's Ctrl-C) stops everything."""
+    with Launch(tmp_path, script_args=["--steps", "100000", "--step-time", "0.03"]) as launch:
+        launch.wait_until(lambda: launch.running_at_step(10), what="training")
+        os.killpg(launch.proc.pid, signal.SIGINT)
+        code = launch.finish(timeout=60)
+        assert code == 130, launch.output()
+        state = launch.state()
+        assert state["stage"] == "STOPPED" and "SIGINT" in state["reason"]
+        check_after_run(launch)

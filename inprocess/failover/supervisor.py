@@ -124,11 +124,11 @@ class Supervisor:
             write_exit_record(exits_dir(self.state_dir), reaped, status)
 
     def _forward(self, signum: int, frame: object) -> None:
-        """Ctrl-C or SIGTERM: the controller stops the job and records the result."""
+        """Ctrl-C or SIGTERM: the controller stops the job and records why."""
         self._signal = signum
         if self.controller is not None and self.controller.returncode is None:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(self.controller.pid, signal.SIGTERM)
+                os.kill(self.controller.pid, signum)
 
     def _clean_up(self, job_id: str) -> None:
         """Nothing of the job may outlive it."""
