@@ -57,6 +57,7 @@ from .rank_assignment import RankAssignment, RankDiscarded, ShiftRanks
 from .rank_filter import RankFilter
 from .state import Mode, State
 from .store import (
+    Poller,
     PrefixStore,
     StoreMixin,
     TCPStore,
@@ -82,6 +83,7 @@ _hosted_stores: dict[int, Any] = {}
 def release_hosted_stores() -> None:
     """Shuts down the store servers the Wrapper keeps hosting in this process."""
     _hosted_stores.clear()
+
 
 # The poll interval of barriers inside the restart procedure: short waits that
 # everybody is blocked on, so they poll fast, backing off up to this (or up to
@@ -963,9 +965,7 @@ def _td(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 
 
-def _poller(limit: float) -> Any:
-    from .store import Poller
-
+def _poller(limit: float) -> Poller:
     return Poller(max(limit, 0.001))
 
 

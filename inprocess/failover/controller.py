@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import json
 import logging
 import os
 import signal
@@ -32,7 +31,7 @@ from typing import Any
 
 from . import policy
 from .backends import Backend, WorkerLaunch
-from .backends.local import LocalBackend, process_start_time
+from .backends.local import LocalBackend, process_start_time, read_exit_record
 from .policy import (
     Action,
     Decision,
@@ -339,8 +338,8 @@ class Controller:
             log.warning(
                 "worker %d (pid %d) ended while the controller was down", worker, record.pid
             )
-            status = _exit_record(exits_dir(self.state_dir), record.pid)
-            event = WorkerExited(worker, record.incarnation, *status)
+            ended = read_exit_record(exits_dir(self.state_dir), record.pid)
+            event = WorkerExited(worker, record.incarnation, ended.exit_code, ended.signal)
             self.apply(policy.handle_event(self.state, event, now=time.time()))
 
     def finish(self) -> None:
@@ -358,18 +357,6 @@ class Controller:
             store = self.state.store
             if process_start_time(store["pid"]) == store.get("start_time"):
                 StoreServer(store["host"], store["port"], store["pid"]).stop()
-
-
-def _exit_record(directory: Path, pid: int) -> tuple[int | None, int | None]:
-    path = directory / f"{pid}.json"
-    deadline = time.monotonic() + 2
-    while not path.exists() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    if not path.exists():
-        return None, None
-    record = json.loads(path.read_text())
-    path.unlink()
-    return record["exit_code"], record["signal"]
 
 
 def _write_pid_file(path: Path) -> None:

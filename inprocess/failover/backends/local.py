@@ -59,6 +59,20 @@ def write_exit_record(exits_dir: Path, pid: int, status: int) -> None:
     os.replace(tmp, exit_record_path(exits_dir, pid))
 
 
+def read_exit_record(exits_dir: Path, pid: int) -> ProcessExit:
+    """How an orphan reaped by the supervisor ended (both codes ``None`` if not recorded)."""
+    path = exit_record_path(exits_dir, pid)
+    deadline = time.monotonic() + EXIT_RECORD_WAIT
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if not path.exists():
+        log.warning("no exit status recorded for process %d", pid)
+        return ProcessExit(pid, None, None)
+    record = json.loads(path.read_text())
+    path.unlink()
+    return ProcessExit(pid, record["exit_code"], record["signal"])
+
+
 class LocalBackend:
     """Worker processes of this machine, each in its own session and process group."""
 
@@ -135,16 +149,7 @@ class LocalBackend:
             code = child.wait()
             return ProcessExit(pid, code if code >= 0 else None, -code if code < 0 else None)
         # An orphan from an earlier controller: the supervisor reaps it and records it.
-        path = exit_record_path(self.exits_dir, pid)
-        deadline = time.monotonic() + EXIT_RECORD_WAIT
-        while not path.exists() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        if not path.exists():
-            log.warning("no exit status recorded for process %d", pid)
-            return ProcessExit(pid, None, None)
-        record = json.loads(path.read_text())
-        path.unlink()
-        return ProcessExit(pid, record["exit_code"], record["signal"])
+        return read_exit_record(self.exits_dir, pid)
 
     def close(self) -> None:
         for pid in list(self._pidfds):
