@@ -430,17 +430,26 @@ def _env(name: str) -> str | None:
     return value if value else None
 
 
-def externally_hosted() -> bool:
-    """Whether the store at ``MASTER_ADDR:MASTER_PORT`` is hosted outside the workers."""
-    return os.environ.get(AGENT_STORE_ENV) == str(True)
+def externally_hosted(host_name: str, port: int) -> bool:
+    """Whether a launcher hosts the store at ``host_name:port`` (outside the workers).
+
+    torchrun and ``inprocess-run`` set ``TORCHELASTIC_USE_AGENT_STORE=True``, but
+    their agent hosts only the store at ``MASTER_ADDR:MASTER_PORT``: a store on any
+    other address or port (the usage guide puts the Wrapper's at ``MASTER_PORT + 2``)
+    must still be hosted by a worker.
+    """
+    if os.environ.get(AGENT_STORE_ENV) != str(True):
+        return False
+    return host_name == _env("MASTER_ADDR") and str(port) == _env("MASTER_PORT")
 
 
 class TCPStore(dist.TCPStore, StoreMixin):
     """``torch.distributed.TCPStore`` with the Wrapper protocol.
 
     Defaults come from the environment: ``MASTER_ADDR``, ``MASTER_PORT``. The
-    server is hosted by initial rank 0 unless ``TORCHELASTIC_USE_AGENT_STORE=True``
-    says that a launcher hosts it (as ``inprocess-run`` does). A port that is
+    server is hosted by initial rank 0 unless a launcher hosts it: torchrun's and
+    ``inprocess-run``'s agent store (``TORCHELASTIC_USE_AGENT_STORE=True``) at
+    exactly ``MASTER_ADDR:MASTER_PORT``; ``is_master`` overrides the choice. A port that is
     already taken by another process is an error, never a silent fallback to a
     client of whatever listens there.
     """
@@ -467,7 +476,10 @@ class TCPStore(dist.TCPStore, StoreMixin):
         if not 0 <= int(port) < 65536:
             raise ValueError(f"port must be in [0, 65535] (0: any free port), got {port}")
         if is_master is None:
-            is_master = not externally_hosted() and int(os.environ.get("RANK", "0")) == 0
+            is_master = (
+                not externally_hosted(host_name, int(port))
+                and int(os.environ.get("RANK", "0")) == 0
+            )
         try:
             super().__init__(
                 host_name=host_name,
