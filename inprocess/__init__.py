@@ -8,8 +8,6 @@ Two layers:
   watches the worker processes of a job and replaces lost ones.
 """
 
-import logging as _logging
-
 from . import (
     abort,
     exception,
@@ -44,5 +42,3 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
-
-_logging.getLogger(__name__).addHandler(_logging.NullHandler())

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import abc
+import inspect
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -20,21 +22,47 @@ def _common_base(instances: tuple[Any, ...]) -> type:
 
 _classes: dict[tuple[type, type], type] = {}
 
+_POSITIONAL = (
+    inspect.Parameter.POSITIONAL_ONLY,
+    inspect.Parameter.POSITIONAL_OR_KEYWORD,
+    inspect.Parameter.VAR_POSITIONAL,
+)
+
+
+def _takes_arguments(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` accepts positional arguments (unknown signatures are assumed to)."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return True
+    return any(p.kind in _POSITIONAL for p in signature.parameters.values())
+
 
 class Compose:
     """Chains callables of one kind into one callable of that kind.
 
     ``Compose(a, b, c)(x)`` is ``a(b(c(x)))``: the last listed runs first, as in
-    the seed's examples. A callable returning a tuple has it unpacked into the
-    arguments of the next one, so ``Finalize``/``HealthCheck`` (``(state, ex)``)
-    and ``RankAssignment`` (``(state, terminated_ranks)``) chain naturally.
+    the seed's examples. How one result becomes the next callable's arguments:
 
-    The result is an instance of the callables' common base class (e.g. a
+    * a tuple is unpacked into its arguments, so ``Finalize``/``HealthCheck``
+      (``(state, ex)``) and ``RankAssignment`` (``(state, terminated_ranks)``)
+      chain naturally; any other value is its one argument;
+    * a callable that takes no arguments is called with none (its result is
+      passed on as usual);
+    * ``None`` is no value: the next callable gets the same arguments the one
+      returning ``None`` was offered. When that one was given arguments and the
+      next one takes some, it most likely forgot to return them: a
+      ``UserWarning`` says so.
+
+    ``Compose(...)(...)`` returns what the first listed callable returned.
+
+    The composition is an instance of the callables' common base class (e.g. a
     ``Compose`` of rank assignments is a ``RankAssignment``), so it is accepted
     wherever one of them would be.
     """
 
     _fns: tuple[Callable[..., Any], ...]
+    _wants_args: tuple[bool, ...]  # per callable: whether it takes positional arguments
 
     def __new__(cls, *fns: Callable[..., Any]) -> Compose:
         if not fns:
@@ -56,6 +84,7 @@ class Compose:
                 _classes[(cls, base)] = klass
         self = object.__new__(klass)
         self._fns = tuple(fns)
+        self._wants_args = tuple(_takes_arguments(fn) for fn in fns)
         return self
 
     def __init__(self, *fns: Callable[..., Any]) -> None:
@@ -64,9 +93,24 @@ class Compose:
         pass
 
     def __call__(self, *args: Any) -> Any:
-        result: Any = args
-        for fn in reversed(self._fns):
-            result = fn(*result) if isinstance(result, tuple) else fn(result)
+        offered: tuple[Any, ...] = args
+        result: Any = None
+        steps = list(zip(self._fns, self._wants_args, strict=True))[::-1]
+        for i, (fn, takes_arguments) in enumerate(steps):
+            given = offered if takes_arguments else ()
+            result = fn(*given)
+            if result is None:
+                following = steps[i + 1] if i + 1 < len(steps) else None
+                if given and following is not None and following[1]:
+                    warnings.warn(
+                        f"Compose: {fn!r} was given arguments but returned None, so "
+                        f"{following[0]!r} gets the same arguments instead; return the "
+                        "value(s) to pass on",
+                        UserWarning,
+                        stacklevel=2,
+                    )
+                continue
+            offered = result if isinstance(result, tuple) else (result,)
         return result
 
     def __repr__(self) -> str:

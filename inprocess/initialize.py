@@ -65,7 +65,8 @@ class RetryController(Initialize):
     def __call__(self, state: State) -> State:
         if self.max_iterations is not None and state.iteration >= self.max_iterations:
             raise RestartAbort(
-                f"iteration {state.iteration} would exceed max_iterations={self.max_iterations}"
+                f"RetryController: iteration={state.iteration} reached the limit "
+                f"max_iterations={self.max_iterations}"
             )
         if state.world_size < self.min_world_size:
             raise RestartAbort(

@@ -360,7 +360,8 @@ def _configure_logging(config: MonitorConfig) -> None:
         handler.setLevel(logging.WARNING)
     handler.setFormatter(
         logging.Formatter(
-            f"%(asctime)s monitor[{config.initial_rank}] %(levelname)s %(name)s: %(message)s"
+            f"%(asctime)s monitor[{config.initial_rank}] training_pid={config.parent_pid} "
+            "%(levelname)s %(name)s: %(message)s"
         )
     )
     logger.addHandler(handler)

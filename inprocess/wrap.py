@@ -39,13 +39,14 @@ import threading
 import time
 import types
 import typing
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from . import monitor_thread as _mt
 from .abort import Abort, AbortTorchDistributed
 from .compose import Compose
-from .exception import InternalError
+from .exception import HealthCheckError, InternalError
 from .exception import TimeoutError as RestartTimeoutError
 from .finalize import Finalize
 from .health_check import HealthCheck
@@ -95,6 +96,37 @@ def _compose_sequence(value: Any) -> Any:
     if isinstance(value, (tuple, list)) and value and all(callable(v) for v in value):
         return value[0] if len(value) == 1 else Compose(*value)
     return value
+
+
+def _returned_state(result: Any, current: State) -> State:
+    """The state a callback returned: a State, or the first item of a tuple; else ``current``."""
+    if isinstance(result, State):
+        return result
+    if isinstance(result, tuple) and result and isinstance(result[0], State):
+        return result[0]
+    return current
+
+
+def _logging_is_off() -> bool:
+    """Whether records of our loggers reach no handler (``logging.lastResort`` would get them)."""
+    logger: logging.Logger | None = logging.getLogger("inprocess")
+    while logger is not None:
+        if logger.handlers:
+            return False
+        logger = logger.parent if logger.propagate else None
+    return True
+
+
+def _warn_if_logging_is_off() -> None:
+    if _logging_is_off():
+        warnings.warn(
+            "inprocess: the application configured no logging, so the Wrapper's log messages "
+            "(faults, restarts, lost ranks) are off, but for warnings printed bare to stderr; "
+            "turn them on with logging.basicConfig(level=logging.INFO) or a handler on the "
+            "'inprocess' logger",
+            UserWarning,
+            stacklevel=4,
+        )
 
 
 def _check_type(name: str, value: Any, types_: tuple[type, ...] | type, allowed: str) -> None:
@@ -420,9 +452,13 @@ class CallWrapper:
 
         if dist.is_available() and dist.is_initialized():
             raise ValueError(
-                "torch.distributed is already initialized: the wrapped function must "
-                "initialize it itself (it is aborted and initialized again on every restart)"
+                f"{getattr(fn, '__qualname__', fn)!r} wrapped by inprocess.Wrapper requires "
+                "`not torch.distributed.is_initialized()`, but torch.distributed is already "
+                "initialized: the wrapped function initializes it itself (it is aborted and "
+                "initialized again on every restart); call "
+                "torch.distributed.destroy_process_group() before calling it"
             )
+        _warn_if_logging_is_off()
         self.identity = new_identity(self.state.initial_rank, incarnation_from_env())
         with contextlib.ExitStack() as cleanup:
             self._start(cleanup)
@@ -747,10 +783,11 @@ class CallWrapper:
         try:
             self._initialize()
             if self.wrapper.health_check is not None:
-                try:
-                    self._health_check(None)
-                except BaseException as failure:
-                    raise _RankLeaves(failure) from None
+                # A check failing here is a fault of this iteration: it takes the
+                # normal restart path (the check runs again after the fault).
+                self.state = _returned_state(
+                    self.wrapper.health_check(self.state, None), self.state
+                )
             if s.mode == Mode.ACTIVE:
                 with self._function_environment(current):
                     outcome.value = fn(*args, **kwargs)
@@ -807,15 +844,18 @@ class CallWrapper:
 
     # ---------------------------------------------------------------- callbacks
 
+    # A callback's return value is used only when it is a State (or a tuple
+    # starting with one); anything else, ``None`` included, keeps the current state.
+
     def _initialize(self) -> None:
         if self.wrapper.initialize is not None:
-            self.state = self.wrapper.initialize(self.state)
+            self.state = _returned_state(self.wrapper.initialize(self.state), self.state)
 
     def _abort(self) -> None:
         if self.wrapper.abort is None:
             return
         try:
-            self.state = self.wrapper.abort(self.state)
+            self.state = _returned_state(self.wrapper.abort(self.state), self.state)
         except Exception:
             self._terminate_self("abort failed")
             raise
@@ -824,16 +864,25 @@ class CallWrapper:
         if self.wrapper.finalize is None:
             return
         try:
-            self.state, _ = self.wrapper.finalize(self.state, ex)
+            self.state = _returned_state(self.wrapper.finalize(self.state, ex), self.state)
         except BaseException as failure:
             self._terminate_self(f"finalize failed: {failure!r}")
             raise
 
     def _health_check(self, ex: BaseException | None) -> None:
+        """The check after a fault: failing it ends this rank with a ``HealthCheckError``
+        whose ``__cause__`` is ``ex``, the exception that ended the function here."""
         if self.wrapper.health_check is None:
             return
         try:
-            self.state, _ = self.wrapper.health_check(self.state, ex)
+            self.state = _returned_state(self.wrapper.health_check(self.state, ex), self.state)
+        except Exception as failure:
+            self._terminate_self(f"health check failed: {failure!r}")
+            if isinstance(failure, HealthCheckError) and failure.__cause__ in (None, ex):
+                raise failure from ex
+            raise HealthCheckError(
+                f"{self.identity}: unhealthy after a fault: {type(failure).__name__}: {failure}"
+            ) from ex
         except BaseException as failure:
             self._terminate_self(f"health check failed: {failure!r}")
             raise

@@ -99,6 +99,7 @@ def test_retry_controller_limit_ends_every_rank_with_restart_abort(tmp_path):
         report = result.report(rank)
         assert result.ranks[rank].returncode != 0
         assert report["exception"] == "RestartAbort", result.describe()
+        assert "iteration=3" in report["message"] and "max_iterations=3" in report["message"]
         starts = [e for e in report["events"] if e["kind"] == "start"]
         assert len(starts) == 3  # iterations 0, 1, 2 ran; iteration 3 was refused
     assert not result.leftovers
@@ -127,7 +128,9 @@ def test_initialize_exception_restarts_and_base_exception_ends_the_rank(tmp_path
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("callback", ["finalize_fails", "unhealthy", "abort_fails"])
 def test_failing_callback_excludes_the_rank(tmp_path, callback):
-    faults = [{"iteration": 0, "rank": 0, "step": 2, "kind": "raise", "others": "allreduce"}]
+    # the unhealthy rank is the one that raised: its HealthCheckError is caused by that
+    faulty = 2 if callback == "unhealthy" else 0
+    faults = [{"iteration": 0, "rank": faulty, "step": 2, "kind": "raise", "others": "allreduce"}]
     result = run_job(
         "scenario.py", 4, tmp_path, spec(faults=faults, **{callback: [2]}), timeout=100
     )
@@ -140,10 +143,34 @@ def test_failing_callback_excludes_the_rank(tmp_path, callback):
     assert result.report(2)["exception"] == expected, result.describe()
     assert_completed(result, 4, iterations=1, alive=[0, 1, 3])
     if callback == "unhealthy":
+        assert result.report(2)["cause"] == "RuntimeError: injected fault", result.describe()
         # the health check ran after the fault on every rank, before the restart
         for rank in (0, 1, 3):
             checks = [e for e in result.report(rank)["events"] if e["kind"] == "health_check"]
             assert any(c["after_fault"] for c in checks)
+
+
+@pytest.mark.timeout(120)
+def test_callbacks_returning_none_are_accepted(tmp_path):
+    """Guide-era Initialize, Finalize and HealthCheck return None: their value is ignored."""
+    faults = [{"iteration": 0, "rank": 1, "step": 2, "kind": "raise", "others": "allreduce"}]
+    result = run_job(
+        "scenario.py", 2, tmp_path, spec(faults=faults, callbacks_return_none=True), timeout=100
+    )
+    assert_completed(result, 2, iterations=1)
+    for rank in range(2):
+        kinds = [e["kind"] for e in result.report(rank)["events"]]
+        assert "finalize" in kinds and "health_check" in kinds
+
+
+@pytest.mark.timeout(120)
+def test_health_check_failing_at_iteration_start_restarts_the_iteration(tmp_path):
+    """Before the function runs, a failing health check is a fault of the iteration."""
+    result = run_job("scenario.py", 2, tmp_path, spec(unhealthy_at_start={"1": [0]}), timeout=100)
+    # nobody left: rank 1 passed the check after the fault and iteration 1 ran everywhere
+    assert_completed(result, 2, iterations=1)
+    rank1 = [e for e in result.report(1)["events"] if e["kind"] == "start"]
+    assert [e["iteration"] for e in rank1] == [1]  # its function never ran in iteration 0
 
 
 @pytest.mark.timeout(120)

@@ -96,8 +96,9 @@ def test_calling_with_distributed_initialized_is_a_value_error(tmp_path):
         def train():
             return 1
 
-        with pytest.raises(ValueError, match="already initialized"):
+        with pytest.raises(ValueError, match="already initialized") as info:
             train()
+        assert "requires `not torch.distributed.is_initialized()`" in str(info.value)
     finally:
         dist.destroy_process_group()
         del store

@@ -15,7 +15,9 @@ import random
 import signal
 import threading
 from collections.abc import Callable, Iterable
+from typing import Any
 
+from ..compose import _takes_arguments
 from ..monitor_thread import async_raise
 
 log = logging.getLogger(__name__)
@@ -60,9 +62,7 @@ _SIGNAL_EXC_SIGNAL = signal.SIGUSR1
 class FaultInjector(threading.Timer):
     """The background thread of one injected fault; ``cancel()`` before it fires."""
 
-    def __init__(
-        self, fault: Fault, delay: float, callback: Callable[[Fault], None] | None
-    ) -> None:
+    def __init__(self, fault: Fault, delay: float, callback: Callable[..., Any] | None) -> None:
         super().__init__(delay, self._fire)
         self.name = f"inprocess-inject-{fault.name}"
         self.daemon = True
@@ -73,7 +73,10 @@ class FaultInjector(threading.Timer):
     def _fire(self) -> None:
         log.warning("injecting %s into rank %s", self.fault.name, os.environ.get("RANK"))
         if self.callback is not None:
-            self.callback(self.fault)
+            if _takes_arguments(self.callback):
+                self.callback(self.fault)
+            else:
+                self.callback()
         _inject(self.fault, self.main_thread_id)
 
 
@@ -127,41 +130,75 @@ def _env_int(name: str) -> int:
     return int(value)
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _bounds(
+    name: str, value: object, is_kind: Callable[[object], bool], kind: str
+) -> tuple[Any, Any]:
+    """``(min, max)`` of a value given as one number or as a ``(min, max)`` pair, both >= 0."""
+    allowed = f"a {kind} >= 0 or a (min, max) tuple of {kind}s with 0 <= min <= max"
+    if isinstance(value, (tuple, list)):
+        if len(value) != 2 or not all(is_kind(v) for v in value):
+            raise TypeError(f"inject_fault({name}=...) must be {allowed}, got {value!r}")
+        low, high = value
+    elif is_kind(value):
+        low = high = value
+    else:
+        raise TypeError(f"inject_fault({name}=...) must be {allowed}, got {value!r}")
+    if not 0 <= low <= high:
+        raise ValueError(f"inject_fault({name}=...) must be {allowed}, got {value!r}")
+    return low, high
+
+
 def inject_fault(
     faults: Iterable[Fault],
-    num_faults: int,
+    num_faults: int | tuple[int, int],
     keep_alive: int,
-    delay: float,
+    delay: float | tuple[float, float],
     seed: int,
-    callback: Callable[[Fault], None] | None = None,
+    callback: Callable[[], Any] | Callable[[Fault], Any] | None = None,
 ) -> FaultInjector | None:
     """Schedules a fault on ``num_faults`` random ranks.
 
     Args:
         faults: the kinds to choose from (one is drawn per hit rank).
-        num_faults: how many ranks are hit.
+        num_faults: how many ranks are hit; a ``(min, max)`` tuple draws the
+            number from ``min..max`` (both included).
         keep_alive: the ``keep_alive`` lowest ranks are never hit.
-        delay: seconds before the fault is injected.
-        seed: seed of the draw; must be the same on every rank.
-        callback: called with the fault in the injecting thread, just before it.
+        delay: seconds before the fault is injected; a ``(min, max)`` tuple draws
+            it uniformly from that interval.
+        seed: seed of every draw (number, delay, ranks, kinds); the same on every
+            rank, so that all ranks agree on the outcome.
+        callback: called just before the fault, in the injecting thread; with no
+            arguments, or with the fault if it takes one.
 
     Returns:
         On a hit rank, the started :class:`FaultInjector` (cancel it to call the
         fault off); elsewhere ``None``. Ranks come from ``RANK``/``WORLD_SIZE``.
     """
+    if isinstance(faults, Fault):
+        faults = [faults]
     faults = list(faults)
     if not faults:
         raise ValueError("inject_fault(faults=...) must name at least one Fault")
     for fault in faults:
         if not isinstance(fault, Fault):
             raise TypeError(f"inject_fault(faults=...) must contain Fault members, got {fault!r}")
-    for name, value in (("num_faults", num_faults), ("keep_alive", keep_alive), ("seed", seed)):
-        if not isinstance(value, int) or isinstance(value, bool):
+    num_bounds = _bounds("num_faults", num_faults, _is_int, "int")
+    delay_bounds = _bounds("delay", delay, _is_number, "number")
+    for name, value in (("keep_alive", keep_alive), ("seed", seed)):
+        if not _is_int(value):
             raise TypeError(f"inject_fault({name}=...) must be an int, got {value!r}")
-    if num_faults < 0 or keep_alive < 0:
-        raise ValueError("inject_fault(num_faults=..., keep_alive=...) must be >= 0")
-    if not isinstance(delay, (int, float)) or delay < 0:
-        raise ValueError(f"inject_fault(delay=...) must be a number >= 0, got {delay!r}")
+    if keep_alive < 0:
+        raise ValueError(f"inject_fault(keep_alive=...) must be >= 0, got {keep_alive}")
+    if callback is not None and not callable(callback):
+        raise TypeError(f"inject_fault(callback=...) must be callable or None, got {callback!r}")
     gpu = GPU_FAULTS.intersection(faults)
     if gpu:
         import torch
@@ -171,9 +208,16 @@ def inject_fault(
             raise RuntimeError(f"inject_fault: {names} need a CUDA device, and none is available")
 
     rank, world_size = _env_int("RANK"), _env_int("WORLD_SIZE")
+    # Every draw comes from this one generator, in a fixed order: every rank
+    # computes the same number, delay, victims and kinds. A plain int or float
+    # draws nothing, so those forms keep the draws they always had.
     rng = random.Random(seed)
+    count = num_bounds[0] if num_bounds[0] == num_bounds[1] else rng.randint(*num_bounds)
+    seconds = float(delay_bounds[0])
+    if delay_bounds[0] != delay_bounds[1]:
+        seconds = rng.uniform(*delay_bounds)
     candidates = list(range(keep_alive, world_size))
-    victims = rng.sample(candidates, min(num_faults, len(candidates)))
+    victims = rng.sample(candidates, min(count, len(candidates)))
     drawn = {victim: rng.choice(faults) for victim in victims}
     if rank not in drawn:
         return None
@@ -182,7 +226,7 @@ def inject_fault(
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("inject_fault: SIGNAL_EXC must be set up from the main thread")
         signal.signal(_SIGNAL_EXC_SIGNAL, _raise_injected)
-    injector = FaultInjector(fault, float(delay), callback)
+    injector = FaultInjector(fault, seconds, callback)
     injector.start()
-    log.info("rank %d will get %s in %.3gs", rank, fault.name, delay)
+    log.info("rank %d will get %s in %.3gs", rank, fault.name, seconds)
     return injector

@@ -45,6 +45,10 @@ def write_report(**data: Any) -> None:
     REPORT.write_text(json.dumps({"initial_rank": INITIAL_RANK, "events": EVENTS, **data}))
 
 
+# Guide-era callbacks return None: the Wrapper must ignore what they return.
+RETURN_NONE = SPEC.get("callbacks_return_none", False)
+
+
 def td(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 
@@ -61,7 +65,7 @@ class RecordingInitialize(inprocess.initialize.Initialize):
             if spec["kind"] == "exception":
                 raise RuntimeError("initialize failed")
             raise inprocess.exception.RestartAbort("initialize gave up")
-        return state
+        return None if RETURN_NONE else state
 
 
 class RecordingFinalize(inprocess.finalize.Finalize):
@@ -69,7 +73,7 @@ class RecordingFinalize(inprocess.finalize.Finalize):
         event("finalize", iteration=state.iteration)
         if INITIAL_RANK in SPEC.get("finalize_fails", []):
             raise RuntimeError("finalize failed")
-        return state, train_ex
+        return None if RETURN_NONE else (state, train_ex)
 
 
 class RecordingHealthCheck(inprocess.health_check.HealthCheck):
@@ -77,7 +81,10 @@ class RecordingHealthCheck(inprocess.health_check.HealthCheck):
         event("health_check", iteration=state.iteration, after_fault=train_ex is not None)
         if INITIAL_RANK in SPEC.get("unhealthy", []) and train_ex is not None:
             raise inprocess.exception.HealthCheckError("unhealthy by request")
-        return state, train_ex
+        at_start = SPEC.get("unhealthy_at_start", {}).get(str(INITIAL_RANK), [])
+        if train_ex is None and state.iteration in at_start:
+            raise RuntimeError("unhealthy at the start of the iteration")
+        return None if RETURN_NONE else (state, train_ex)
 
 
 class FailingAbort(inprocess.abort.Abort):
@@ -254,6 +261,13 @@ if __name__ == "__main__":
         for _ in range(SPEC.get("calls", 1)):  # consecutive calls of the wrapped function
             results.append(train())
     except BaseException as ex:
-        write_report(returned=None, exception=type(ex).__name__, message=str(ex), calls=results)
+        cause = ex.__cause__
+        write_report(
+            returned=None,
+            exception=type(ex).__name__,
+            message=str(ex),
+            cause=None if cause is None else f"{type(cause).__name__}: {cause}",
+            calls=results,
+        )
         raise
     write_report(returned=results[-1], exception=None, calls=results)
