@@ -21,6 +21,7 @@ def _common_base(instances: tuple[Any, ...]) -> type:
 
 
 _classes: dict[tuple[type, type], type] = {}
+_SUBCLASSABLE = 1 << 10  # Py_TPFLAGS_BASETYPE
 
 _POSITIONAL = (
     inspect.Parameter.POSITIONAL_ONLY,
@@ -71,7 +72,15 @@ class Compose:
             if not callable(fn):
                 raise TypeError(f"Compose argument {i} ({fn!r}) is not callable")
         base = _common_base(fns)
-        if base is object or issubclass(base, Compose):
+        # Only plain Python classes are mixed in: functions, partials and other
+        # built-in callables have a common type that cannot (or must not) be
+        # subclassed, and their composition is a plain Compose.
+        if (
+            base is object
+            or issubclass(base, Compose)
+            or base.__new__ is not object.__new__
+            or not base.__flags__ & _SUBCLASSABLE
+        ):
             klass = cls
         else:
             klass = _classes.get((cls, base))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import logging
 import socket
 
 import pytest
@@ -106,3 +107,54 @@ def test_store_arguments_are_checked(monkeypatch):
         inprocess.store.TCPStore(port=1234)
     with pytest.raises(ValueError, match="port"):
         inprocess.store.TCPStore(host_name="127.0.0.1", port=70000)
+
+
+def _our_handlers() -> dict[str, list]:
+    names = ["", *(n for n in list(logging.root.manager.loggerDict) if n.startswith("inprocess"))]
+    return {n: list(logging.getLogger(n).handlers) for n in names}
+
+
+@pytest.mark.timeout(120)
+def test_logging_as_a_library(single_rank, tmp_path):
+    """No handler of ours, a warning per call while the application configured no
+    logging, and a monitor log that names the process it watches."""
+    import os
+    import warnings
+
+    @inprocess.Wrapper(
+        monitor_thread_interval=20 * ms,
+        monitor_process_interval=20 * ms,
+        progress_watchdog_interval=20 * ms,
+        monitor_process_logfile=str(tmp_path / "monitor_{rank}.log"),
+    )
+    def train():
+        return 1
+
+    def logging_off_warnings(caught):
+        return [w for w in caught if "configured no logging" in str(w.message)]
+
+    assert not logging.getLogger("inprocess").handlers
+    # pytest's capture handlers stand for an application's configuration: off they go
+    saved = list(logging.root.handlers)
+    for handler in saved:
+        logging.root.removeHandler(handler)
+    try:
+        before = _our_handlers()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert train() == 1
+            assert train() == 1
+        assert _our_handlers() == before
+        off = logging_off_warnings(caught)
+        assert len(off) == 2 and all(w.category is UserWarning for w in off)
+        assert "logging.basicConfig" in str(off[0].message)
+        assert off[0].filename == __file__  # points at the caller
+    finally:
+        for handler in saved:
+            logging.root.addHandler(handler)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert train() == 1
+    assert not logging_off_warnings(caught)
+    getattr(inprocess.wrap, "release_hosted_stores", lambda: None)()
+    assert f"training_pid={os.getpid()} " in (tmp_path / "monitor_0.log").read_text()

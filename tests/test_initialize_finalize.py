@@ -32,7 +32,7 @@ def test_retry_controller_max_iterations():
     for iteration in range(3):  # iterations 0, 1, 2 run: the function runs 3 times
         state = make_state(iteration)
         assert controller(state) is state
-    with pytest.raises(RestartAbort, match="max_iterations=3"):
+    with pytest.raises(RestartAbort, match=r"iteration=3 .*max_iterations=3"):
         controller(make_state(3))
     with pytest.raises(RestartAbort):
         controller(make_state(10))

@@ -41,6 +41,37 @@ def test_every_rank_draws_the_same_victims(monkeypatch):
     }
 
 
+def injectors(monkeypatch, world, **kw):
+    """Every rank's injector (cancelled before it fires), by rank."""
+    hit = {}
+    for rank in range(world):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+        injector = inject_fault(**kw)
+        if injector is not None:
+            injector.cancel()
+            injector.join()
+            hit[rank] = injector
+    return hit
+
+
+def test_ranges_are_drawn_reproducibly_and_alike_on_every_rank(monkeypatch):
+    counts, delays = set(), set()
+    for seed in range(30):
+        kw = dict(faults=[Fault.KILL], num_faults=(1, 3), keep_alive=1, delay=(0.5, 2.0), seed=seed)
+        hit = injectors(monkeypatch, 8, **kw)
+        again = injectors(monkeypatch, 8, **kw)
+        assert {r: i.interval for r, i in hit.items()} == {r: i.interval for r, i in again.items()}
+        assert 1 <= len(hit) <= 3 and 0 not in hit
+        assert len({i.interval for i in hit.values()}) == 1  # one delay, the same on every rank
+        counts.add(len(hit))
+        delays |= {i.interval for i in hit.values()}
+    assert counts == {1, 2, 3}
+    assert all(0.5 <= d <= 2.0 for d in delays) and len(delays) > 10
+    # a degenerate range is the plain number
+    assert len(injectors(monkeypatch, 8, **{**kw, "num_faults": (2, 2), "delay": 1})) == 2
+
+
 def test_bad_arguments(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -52,6 +83,25 @@ def test_bad_arguments(monkeypatch):
         inject_fault([Fault.KILL], 1, 0, -1, 0)
     with pytest.raises(TypeError, match="num_faults"):
         inject_fault([Fault.KILL], 1.5, 0, 0.1, 0)
+    bad = [
+        ({"num_faults": (1,)}, TypeError),
+        ({"num_faults": (1, 2.0)}, TypeError),
+        ({"num_faults": (3, 1)}, ValueError),
+        ({"num_faults": (-1, 1)}, ValueError),
+        ({"num_faults": True}, TypeError),
+        ({"delay": "1"}, TypeError),
+        ({"delay": (0.5, 0.1)}, ValueError),
+        ({"delay": (-1, 1)}, ValueError),
+        ({"delay": (0.1, None)}, TypeError),
+        ({"keep_alive": -1}, ValueError),
+        ({"seed": 1.0}, TypeError),
+        ({"callback": 3}, TypeError),
+    ]
+    for kw, error in bad:
+        args = {"faults": [Fault.KILL], "num_faults": 1, "keep_alive": 0, "delay": 0.1, "seed": 0}
+        name = next(iter(kw))
+        with pytest.raises(error, match=rf"inject_fault\({name}=\.\.\.\)"):
+            inject_fault(**{**args, **kw})
 
 
 def test_gpu_faults_need_a_gpu(monkeypatch):
@@ -118,6 +168,28 @@ def test_fault_kinds(fault, expected):
             proc.kill()
             proc.wait()
         proc.stdout.close()
+
+
+CALLBACK = """
+import os
+from inprocess.tools.inject_fault import Fault, inject_fault
+os.environ.update(RANK="1", WORLD_SIZE="2")
+inject_fault([Fault.TERM], (1, 1), 1, (0.1, 0.2), 0, callback=lambda: print("callback", flush=True))
+import time; time.sleep(30)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_callback_without_arguments_runs_before_the_fault():
+    proc = subprocess.run(
+        [sys.executable, "-c", CALLBACK],
+        env=dict(os.environ, PYTHONWARNINGS="ignore"),
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    assert proc.returncode == -signal.SIGTERM, proc.stderr
+    assert proc.stdout == "callback\n"
 
 
 @pytest.mark.timeout(120)

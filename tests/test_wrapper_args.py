@@ -196,6 +196,65 @@ def test_compose_unpacks_tuples():
     assert state.iteration == 11 and ex is None
 
 
+def test_compose_calls_callables_without_arguments_with_none():
+    calls = []
+
+    def first():
+        calls.append("first")
+
+    def second():
+        calls.append("second")
+        return "done"
+
+    assert inprocess.Compose(second, first)() == "done"
+    assert calls == ["first", "second"]
+    # a callable taking no arguments in a chain that has some is called with none
+    calls.clear()
+    assert inprocess.Compose(lambda x: x + 1, first)(1) == 2
+    assert calls == ["first"]
+
+
+def test_compose_passes_results_on_as_arguments():
+    # a tuple becomes the next callable's arguments, a single value its one argument
+    assert inprocess.Compose(lambda a, b: a * b, lambda x: (x, x + 1))(3) == 12
+    assert inprocess.Compose(lambda x: [x], lambda a, b: a + b)(1, 2) == [3]
+
+
+def test_compose_warns_when_a_callable_given_arguments_returns_none():
+    seen = []
+
+    def forgets_to_return(x):
+        seen.append(("forgets", x))
+
+    def uses(x):
+        seen.append(("uses", x))
+        return x
+
+    with pytest.warns(UserWarning, match="returned None"):
+        assert inprocess.Compose(uses, forgets_to_return)(5) == 5
+    assert seen == [("forgets", 5), ("uses", 5)]  # the next one got the same arguments
+    # a guide-era Finalize returning None composes too
+    ran = []
+
+    class Fin(inprocess.finalize.Finalize):
+        def __call__(self, state, train_ex=None):
+            ran.append(train_ex)
+
+    ex = ValueError()
+    with pytest.warns(UserWarning, match="returned None"):
+        inprocess.Compose(Fin(), Fin())(inprocess.state.State(rank=0, world_size=1), ex)
+    assert ran == [ex, ex]
+
+
+def test_compose_no_warning_without_arguments_or_a_value_expected():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert inprocess.Compose(lambda: None, lambda: None)() is None
+        assert inprocess.Compose(lambda x: None)(1) is None  # last one: the caller decides
+
+
 def test_compose_errors():
     with pytest.raises(ValueError):
         inprocess.Compose()
