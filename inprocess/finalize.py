@@ -20,7 +20,11 @@ log = logging.getLogger(__name__)
 
 
 class Finalize(abc.ABC):
-    """Base class of the ``finalize`` argument of :class:`inprocess.Wrapper`."""
+    """Base class of the ``finalize`` argument of :class:`inprocess.Wrapper`.
+
+    The Wrapper uses a returned ``State`` (alone or first in a tuple, as
+    ``(state, train_ex)``) and ignores any other return value, ``None`` included.
+    """
 
     @abc.abstractmethod
     def __call__(

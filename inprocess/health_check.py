@@ -31,7 +31,13 @@ class HealthCheck(abc.ABC):
 
     ``__call__(state, train_ex=None)`` returns ``(state, train_ex)`` when the
     rank is healthy and raises when it is not. ``train_ex`` is the exception that
-    ended the wrapped function on this rank, if any.
+    ended the wrapped function on this rank, if any. The Wrapper uses a returned
+    ``State`` (alone or first in a tuple) and ignores any other return value.
+
+    Run at the start of an iteration (``train_ex=None``), a failing check is a
+    fault of that iteration and every rank restarts; run after a fault, it ends
+    this rank with a :class:`~inprocess.exception.HealthCheckError` whose
+    ``__cause__`` is ``train_ex``.
     """
 
     @abc.abstractmethod

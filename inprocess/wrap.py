@@ -120,10 +120,10 @@ def _logging_is_off() -> bool:
 def _warn_if_logging_is_off() -> None:
     if _logging_is_off():
         warnings.warn(
-            "inprocess: the application configured no logging, so the Wrapper's log messages "
-            "(faults, restarts, lost ranks) are off, but for warnings printed bare to stderr; "
-            "turn them on with logging.basicConfig(level=logging.INFO) or a handler on the "
-            "'inprocess' logger",
+            "inprocess: the application configured no logging, so the library's logs (faults, "
+            "restarts, lost ranks) are off; only its warnings reach stderr, unformatted, "
+            "through logging.lastResort. Turn them on with logging.basicConfig(level="
+            "logging.INFO) or a handler on the 'inprocess' logger",
             UserWarning,
             stacklevel=4,
         )
