@@ -158,3 +158,32 @@ def test_logging_as_a_library(single_rank, tmp_path):
     assert not logging_off_warnings(caught)
     getattr(inprocess.wrap, "release_hosted_stores", lambda: None)()
     assert f"training_pid={os.getpid()} " in (tmp_path / "monitor_0.log").read_text()
+
+
+@pytest.mark.timeout(120)
+def test_health_check_failing_after_a_fault_is_a_health_check_error(single_rank):
+    """Whatever the check raises, the rank ends with a HealthCheckError caused by the
+    function's exception (the check's own error is its context)."""
+
+    class SickAfterAFault(inprocess.health_check.HealthCheck):
+        def __call__(self, state, train_ex=None):
+            if train_ex is not None:
+                raise RuntimeError("GPU lost")
+
+    failure = RuntimeError("the function failed")
+
+    @inprocess.Wrapper(
+        monitor_thread_interval=20 * ms,
+        monitor_process_interval=20 * ms,
+        progress_watchdog_interval=20 * ms,
+        health_check=SickAfterAFault(),
+    )
+    def train():
+        raise failure
+
+    with pytest.raises(inprocess.exception.HealthCheckError, match="GPU lost") as info:
+        train()
+    assert info.value.__cause__ is failure
+    assert str(info.value.__context__) == "GPU lost"
+    del info
+    getattr(inprocess.wrap, "release_hosted_stores", lambda: None)()
