@@ -10,8 +10,21 @@ call is queued at a time (CPython's queue holds 32).
 Manual heartbeats come from :meth:`inprocess.CallWrapper.ping`; their timeout
 starts at the first ping of an iteration.
 
-Both timestamps are published in a small shared-memory board that the monitor
-process reads to enforce the hard timeout.
+Two clocks are kept:
+
+* the soft clock (:meth:`ProgressWatchdog.stalled_for`, read by the monitor
+  thread) restarts with every iteration: a hang is restarted in-process;
+* the hard clock (the board, read by the monitor process) counts time in the
+  wrapped function without progress, and a restart does not reset it: a hang
+  that recurs after every restart still reaches the hard timeout. Only
+  progress inside the wrapped function resets it. While the rank is in the
+  restart procedure (outside the wrapped function: abort, finalize, barriers
+  that wait for peers) the clock stands still as long as the main thread keeps
+  running bytecode, so waiting for a lost peer never costs a healthy rank its
+  life; a main thread stuck in C there lets it run on from where it stood.
+
+Both are published in a small shared-memory board that the monitor process
+reads to enforce the hard timeout.
 """
 
 from __future__ import annotations
@@ -50,7 +63,8 @@ def _pending_call_ran() -> bool:
 class ProgressBoard:
     """Shared memory between a rank and its monitor process (``CLOCK_MONOTONIC`` times).
 
-    Five aligned 8-byte words: auto timestamp, manual timestamp (doubles),
+    Five aligned 8-byte words: auto timestamp (the hard clock's reference: the
+    rank has made no progress for ``now - auto``), manual timestamp (doubles),
     manual active, iteration, finished flag (int64). Each is written with one
     8-byte store through a typed memoryview, so a reader in the other process
     never sees a torn or half-written value. (``struct.pack_into`` is not safe
@@ -112,7 +126,20 @@ class ProgressBoard:
 
 
 class ProgressWatchdog(threading.Thread):
-    """Issues automatic heartbeats and collects manual ones for one Wrapper call."""
+    """Issues automatic heartbeats and collects manual ones for one Wrapper call.
+
+    The main thread brackets each stay in the wrapped function with
+    :meth:`resume` and :meth:`pause`; the monitor thread calls :meth:`freeze`
+    when it interrupts the function. Invariants, enforced under ``_lock``:
+
+    * a heartbeat counts as progress in the function only if its pending call
+      was queued after the function was entered (:meth:`resume`) and seen
+      before the interrupt (:meth:`freeze`) or the exit (:meth:`pause`): the
+      restart procedure's own bytecode, and the signal handler that wakes an
+      interrupted main thread, never reset the hard clock;
+    * outside the function the hard clock shows the stall carried out of it
+      (``_carry``) plus the time since the main thread last ran bytecode.
+    """
 
     def __init__(self, interval: float, board: ProgressBoard, automatic: bool = True) -> None:
         super().__init__(name="inprocess-progress-watchdog", daemon=True)
@@ -120,7 +147,14 @@ class ProgressWatchdog(threading.Thread):
         self.board = board
         self.automatic = automatic
         now = time.monotonic()
-        self._auto = now
+        self._lock = threading.Lock()
+        self._auto = now  # soft clock: last heartbeat or start of the iteration
+        self._progress = now  # hard clock reference, published as the board's auto
+        self._carry = 0.0  # seconds without progress carried out of the function
+        self._in_function = False
+        self._frozen = False
+        self._resumed_at = now
+        self._queued_at = now
         self._manual = now
         self._manual_active = False
         self._call_pending = False
@@ -138,15 +172,39 @@ class ProgressWatchdog(threading.Thread):
         self._manual_active = True
         self.board.write_manual(now, True)
 
-    def reset(self, iteration: int) -> None:
-        """Starts a new iteration: progress is fresh, the manual timeout is off."""
-        now = time.monotonic()
-        self._auto = now
-        self._manual = now
-        self._manual_active = False
-        self.board.write_iteration(iteration)
-        self.board.write_auto(now)
-        self.board.write_manual(now, False)
+    def resume(self, iteration: int) -> None:
+        """Enters the wrapped function for ``iteration``.
+
+        The soft clock starts afresh and the manual timeout is off; the hard
+        clock goes on from where the restart procedure left it.
+        """
+        with self._lock:
+            now = time.monotonic()
+            self._in_function = True
+            self._frozen = False
+            self._resumed_at = now
+            self._auto = now
+            self._manual = now
+            self._manual_active = False
+            self.board.write_iteration(iteration)
+            self.board.write_manual(now, False)
+
+    #: the name of :meth:`resume` before the hard clock outlived restarts
+    reset = resume
+
+    def freeze(self) -> None:
+        """The function is being interrupted: nothing seen from now on is its progress."""
+        with self._lock:
+            self._frozen = True
+
+    def pause(self) -> None:
+        """Leaves the wrapped function (to restart or finish): the hard clock stands still."""
+        with self._lock:
+            now = time.monotonic()
+            self._in_function = False
+            self._carry = max(0.0, now - self._progress)
+            self._manual_active = False
+            self.board.write_manual(now, False)
 
     def pause_manual(self) -> None:
         """Leaves the wrapped function: only automatic heartbeats count."""
@@ -154,7 +212,7 @@ class ProgressWatchdog(threading.Thread):
         self.board.write_manual(time.monotonic(), False)
 
     def stalled_for(self) -> float:
-        """Seconds since the least recent relevant heartbeat."""
+        """Seconds since the least recent relevant heartbeat of this iteration (soft clock)."""
         now = time.monotonic()
         stalled = now - self._auto if self.automatic else 0.0
         if self._manual_active:
@@ -166,13 +224,22 @@ class ProgressWatchdog(threading.Thread):
             if not self.automatic:
                 self.board.write_auto(time.monotonic())
                 continue
-            if self._call_pending and _pending_call_ran():
-                # It ran at most one interval ago: the main thread runs bytecode.
-                self._auto = time.monotonic()
-                self._call_pending = False
-            if not self._call_pending:
-                self._call_pending = _add_pending_call(_SEM_POST, _SEMAPHORE) == 0
-            self.board.write_auto(self._auto)
+            with self._lock:
+                self._tick(time.monotonic())
+
+    def _tick(self, now: float) -> None:
+        if self._call_pending and _pending_call_ran():
+            # The main thread ran bytecode between the queueing and now.
+            self._call_pending = False
+            self._auto = now
+            if not self._in_function:
+                self._progress = now - self._carry
+            elif not self._frozen and self._queued_at >= self._resumed_at:
+                self._progress = now
+        if not self._call_pending:
+            self._call_pending = _add_pending_call(_SEM_POST, _SEMAPHORE) == 0
+            self._queued_at = now
+        self.board.write_auto(self._progress)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop_event.set()

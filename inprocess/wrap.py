@@ -129,7 +129,9 @@ class Wrapper:
         monitor_process_interval: how often the monitor process checks its rank.
         progress_watchdog_interval: how often automatic heartbeats are issued.
         soft_timeout: no progress for this long restarts the job in-process.
-        hard_timeout: no progress for this long terminates the rank's process.
+        hard_timeout: no progress in the function for this long, summed over
+            restarts (a hang that recurs after every restart), terminates the
+            rank's process with SIGTERM.
         heartbeat_timeout: a rank whose heartbeats stop for this long is terminated.
         heartbeat_interval: how often the monitor process sends heartbeats
             (default: ``monitor_process_interval``).
@@ -518,6 +520,7 @@ class CallWrapper:
             last_call_wait=seconds["last_call_wait"],
             soft_timeout=seconds["soft_timeout"],
             stalled_for=self._watchdog.stalled_for,
+            on_interrupt=self._watchdog.freeze,
             abort=w.abort,
             interrupt=self._interrupt,
         )
@@ -740,7 +743,7 @@ class CallWrapper:
         """
         s = self.state
         self._board.write_iteration(current.index)
-        self._watchdog.reset(current.index)
+        self._watchdog.resume(current.index)
         monitor = self._monitor
         armed = monitor.arm(current.index, current.baseline, s)
         outcome = _Result()
@@ -768,6 +771,9 @@ class CallWrapper:
             monitor.disarm()
         except RankShouldRestart:
             monitor.disarm()
+        # Out of the function: the hard clock stands still while this rank only
+        # waits for its peers (see inprocess.progress_watchdog).
+        self._watchdog.pause()
         if outcome.completed:
             return outcome
         return self._classify_fault(outcome, armed)
@@ -784,18 +790,51 @@ class CallWrapper:
                 s.iteration,
                 armed.cause or str(ex),
             )
+            self._log_root_cause(armed.baseline, None)
         elif isinstance(ex, Exception):
             # Format now: a log record must not keep the exception (and the
             # frames its traceback holds) alive.
-            log.warning("%s: iteration %d failed: %s", self.identity, s.iteration, repr(ex))
-            self.store.record_fault(self.identity, f"{type(ex).__name__}: {ex}")
+            own = f"{type(ex).__name__}: {ex}"
+            self.store.record_fault(self.identity, own)
             self.store.decide_outcome(s.iteration, "fault")
+            self._log_root_cause(armed.baseline, own)
         else:
             # KeyboardInterrupt, SystemExit, RestartAbort, ...: this rank leaves.
             self._terminate_self(f"{type(ex).__name__}: {ex}")
             raise ex
         s.fn_exception = ex
         return outcome
+
+    def _log_root_cause(self, baseline: int, own: str | None) -> None:
+        """Logs, in one line, the first fault recorded in this iteration.
+
+        A survivor's own failure is usually derived (gloo's "Connection closed
+        by peer" after a peer died or raised); the fault log (one entry per
+        increment of the fault counter, appended before it) names the rank and
+        the error that started the restart. Its own error goes to INFO.
+        """
+        first = None
+        with contextlib.suppress(Exception):
+            entries = self.store.fault_log()[baseline:]
+            first = entries[0] if entries else None
+        iteration = self.state.iteration
+        if first is None:
+            log.warning(
+                "%s: restarting iteration %d: %s", self.identity, iteration, own or "fault"
+            )
+            return
+        culprit = first["rank"]
+        mine = culprit == self.identity
+        log.warning(
+            "%s: restarting iteration %d; root cause: rank %s%s: %s",
+            self.identity,
+            iteration,
+            culprit,
+            " (this rank)" if mine else "",
+            first["reason"],
+        )
+        if own is not None and not mine:
+            log.info("%s: own error (derived): %s", self.identity, own)
 
     @contextlib.contextmanager
     def _function_environment(self, current: _Iteration) -> Iterator[None]:

@@ -180,3 +180,22 @@ def test_manual_ping_timeout_catches_a_busy_loop(tmp_path):
     assert len(delays) == WORLD and max(delays.values()) < SOFT + MARGIN, delays
     interrupted = [e for e in result.report(VICTIM)["events"] if e["kind"] == "interrupted"]
     assert interrupted[0]["exception"] == "RankShouldRestart"
+
+
+@pytest.mark.timeout(120)
+def test_a_hang_that_recurs_after_every_restart_reaches_the_hard_timeout(tmp_path):
+    """Restarts do not reset the hard clock: the hung rank is SIGTERMed (exit -15)."""
+    soft, hard = 1.5, 4.0
+    with Job("recurring_hang.py", 2, tmp_path, {"soft": soft, "hard": hard, "sleep": 30}) as job:
+        result = job.wait(60)
+    assert result.ranks[1].returncode == -signal.SIGTERM, result.describe()
+    assert result.ranks[0].returncode == 0, result.describe()
+    # Rank 1 was restarted (soft timeout) at least twice before the hard timeout
+    # ended it; rank 0 then finished alone.
+    started = sorted(int(p.name.split("_")[1]) for p in tmp_path.glob("started1_*"))
+    assert len(started) >= 2, started
+    assert result.report(0)["returned"] > max(started), result.describe()
+    first = float((tmp_path / "started1_0").read_text())
+    last = float((tmp_path / f"started1_{max(started)}").read_text())
+    assert last - first < hard + MARGIN, (first, last)
+    assert not result.leftovers
