@@ -119,9 +119,10 @@ def wait_for(path_pattern, job, timeout=60):
     raise AssertionError("ranks did not start")
 
 
-def external_fault(tmp_path, action):
+def external_fault(tmp_path, action, **kw):
     """Runs a long iteration 0 and applies ``action(job)`` to rank 2 from outside."""
-    with Job("scenario.py", WORLD, tmp_path, spec(steps=100000, steps_after_restart=4)) as job:
+    s = spec(steps=100000, steps_after_restart=4, **kw)
+    with Job("scenario.py", WORLD, tmp_path, s) as job:
         wait_for("started{rank}_0", job)
         time.sleep(0.3)  # everyone is inside all_reduce steps now
         fault_time = time.monotonic()
@@ -142,11 +143,20 @@ def test_sigkill_from_outside(tmp_path):
 
 
 @pytest.mark.timeout(150)
-def test_sigstop_from_outside_is_killed_by_the_hard_timeout(tmp_path):
+@pytest.mark.parametrize("ping", [False, True])
+def test_sigstop_from_outside_is_killed_by_the_hard_timeout(tmp_path, ping):
+    """A stopped rank costs only itself (issue 9).
+
+    The survivors hit their soft timeout, then wait in the restart procedure
+    until the stopped rank's own monitor ends it: that wait is not their hang.
+    With ``ping`` their manual heartbeats, stale since the peer stopped, must
+    not count there either (they once killed every healthy rank).
+    """
     result, fault_time = external_fault(
-        tmp_path, lambda job: os.kill(job.pid(VICTIM), signal.SIGSTOP)
+        tmp_path, lambda job: os.kill(job.pid(VICTIM), signal.SIGSTOP), ping=ping
     )
     check_only_victim_lost(result)
+    assert result.ranks[VICTIM].returncode == -signal.SIGTERM, result.describe()
     delays = ready_after(result, fault_time)
     assert set(delays) == {0, 1, 3} and max(delays.values()) < HARD + GRACE + MARGIN, delays
 
@@ -198,4 +208,19 @@ def test_a_hang_that_recurs_after_every_restart_reaches_the_hard_timeout(tmp_pat
     first = float((tmp_path / "started1_0").read_text())
     last = float((tmp_path / f"started1_{max(started)}").read_text())
     assert last - first < hard + MARGIN, (first, last)
+    assert not result.leftovers
+
+
+@pytest.mark.timeout(120)
+def test_every_rank_logs_the_root_cause_of_a_restart(tmp_path):
+    """Survivors name the faulty rank and its exception, not their derived gloo error."""
+    faults = [{"iteration": 0, "rank": 1, "step": 2, "kind": "boom", "others": "allreduce"}]
+    s = spec(faults=faults, steps=4, steps_after_restart=2)
+    with Job("scenario.py", 3, tmp_path, s) as job:
+        result = job.wait(60)
+    assert result.returncodes == [0, 0, 0], result.describe()
+    for rank in result.ranks:
+        causes = [line for line in rank.output.splitlines() if "root cause" in line]
+        assert len(causes) == 1, rank.output
+        assert "rank 1/" in causes[0] and "ValueError: boom" in causes[0], causes
     assert not result.leftovers
