@@ -159,6 +159,13 @@ class ProgressWatchdog(threading.Thread):
         self._manual_active = False
         self._call_pending = False
         self._stop_event = threading.Event()
+        # The semaphore is shared by every watchdog of the process (one at a
+        # time runs automatic heartbeats: the main thread's). A post left by an
+        # earlier watchdog would make each later "did my call run?" answer one
+        # call late, for good (it once reset the hard clock at the start of a
+        # hang): start from zero, and shutdown() leaves zero behind.
+        while _pending_call_ran():
+            pass
         if not automatic:
             log.warning(
                 "the wrapped function does not run on the main thread: automatic "
@@ -245,3 +252,10 @@ class ProgressWatchdog(threading.Thread):
         self._stop_event.set()
         if self.is_alive():
             self.join(timeout)
+        if self._call_pending and threading.current_thread() is threading.main_thread():
+            # Let the call still queued run now (the main thread runs bytecode
+            # here) and consume its post, so that no later watchdog sees it.
+            deadline = time.monotonic() + 1.0
+            while not _pending_call_ran() and time.monotonic() < deadline:
+                time.sleep(0.001)
+            self._call_pending = False
