@@ -451,6 +451,7 @@ class CallWrapper:
                 self._finalize(result.exception)
                 self._health_check(result.exception)
                 terminated, joiners = self._termination_barrier(current)
+                self._log_root_cause(current.baseline, result.exception)
                 prev_members, iteration = current.members, current.index + 1
 
     # ---------------------------------------------------------------- setup / teardown
@@ -790,14 +791,14 @@ class CallWrapper:
                 s.iteration,
                 armed.cause or str(ex),
             )
-            self._log_root_cause(armed.baseline, None)
         elif isinstance(ex, Exception):
             # Format now: a log record must not keep the exception (and the
             # frames its traceback holds) alive.
-            own = f"{type(ex).__name__}: {ex}"
-            self.store.record_fault(self.identity, own)
+            # Logged at INFO: it may be derived from a peer's fault; the root
+            # cause is logged once the termination barrier has seen them all.
+            log.info("%s: iteration %d failed: %s", self.identity, s.iteration, repr(ex))
+            self.store.record_fault(self.identity, f"{type(ex).__name__}: {ex}")
             self.store.decide_outcome(s.iteration, "fault")
-            self._log_root_cause(armed.baseline, own)
         else:
             # KeyboardInterrupt, SystemExit, RestartAbort, ...: this rank leaves.
             self._terminate_self(f"{type(ex).__name__}: {ex}")
@@ -805,36 +806,36 @@ class CallWrapper:
         s.fn_exception = ex
         return outcome
 
-    def _log_root_cause(self, baseline: int, own: str | None) -> None:
-        """Logs, in one line, the first fault recorded in this iteration.
+    def _log_root_cause(self, baseline: int, ex: BaseException | None) -> None:
+        """Logs, in one line, the fault that started this restart: which rank, which error.
 
-        A survivor's own failure is usually derived (gloo's "Connection closed
-        by peer" after a peer died or raised); the fault log (one entry per
-        increment of the fault counter, appended before it) names the rank and
-        the error that started the restart. Its own error goes to INFO.
+        Called after the termination barrier, when every fault of the iteration
+        is in the fault log (one entry per increment of the fault counter,
+        appended before it, so the entries from ``baseline`` on are this
+        iteration's, in order). The first entry that is not a communication
+        error is the root cause: a survivor's gloo "Connection closed by peer"
+        is derived from a peer's fault, and it may be recorded before the
+        death that caused it, which the dead rank's monitor process records.
         """
-        first = None
+        entries: list[dict[str, Any]] = []
         with contextlib.suppress(Exception):
             entries = self.store.fault_log()[baseline:]
-            first = entries[0] if entries else None
-        iteration = self.state.iteration
-        if first is None:
+        primary = [e for e in entries if not _derived(str(e.get("reason", "")))]
+        root = (primary or entries or [None])[0]
+        if root is None:
+            cause = f"{type(ex).__name__}: {ex}" if ex is not None else "unknown"
             log.warning(
-                "%s: restarting iteration %d: %s", self.identity, iteration, own or "fault"
+                "%s: restarted iteration %d: %s", self.identity, self.state.iteration, cause
             )
             return
-        culprit = first["rank"]
-        mine = culprit == self.identity
         log.warning(
-            "%s: restarting iteration %d; root cause: rank %s%s: %s",
+            "%s: restarted iteration %d; root cause: rank %s%s: %s",
             self.identity,
-            iteration,
-            culprit,
-            " (this rank)" if mine else "",
-            first["reason"],
+            self.state.iteration,
+            root["rank"],
+            " (this rank)" if root["rank"] == self.identity else "",
+            root["reason"],
         )
-        if own is not None and not mine:
-            log.info("%s: own error (derived): %s", self.identity, own)
 
     @contextlib.contextmanager
     def _function_environment(self, current: _Iteration) -> Iterator[None]:
@@ -981,6 +982,20 @@ def _decide_membership(
     if any(j not in members and j not in gone for j in store.join_requests()):
         baseline -= 1
     return json.dumps({"members": members, "baseline": baseline})
+
+
+#: texts of errors that a rank's collective raises because of a peer's fault
+_DERIVED_ERRORS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "DistNetworkError",
+)
+
+
+def _derived(reason: str) -> bool:
+    """Whether a recorded fault reads as the consequence of another rank's fault."""
+    return any(text in reason for text in _DERIVED_ERRORS)
 
 
 def _seconds(w: Wrapper) -> dict[str, float]:

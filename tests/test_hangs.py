@@ -212,15 +212,20 @@ def test_a_hang_that_recurs_after_every_restart_reaches_the_hard_timeout(tmp_pat
 
 
 @pytest.mark.timeout(120)
-def test_every_rank_logs_the_root_cause_of_a_restart(tmp_path):
-    """Survivors name the faulty rank and its exception, not their derived gloo error."""
-    faults = [{"iteration": 0, "rank": 1, "step": 2, "kind": "boom", "others": "allreduce"}]
+@pytest.mark.parametrize(("kind", "cause"), [("boom", "ValueError: boom"), ("kill", "died")])
+def test_every_rank_logs_the_root_cause_of_a_restart(tmp_path, kind, cause):
+    """Survivors name the faulty rank and its error, not their derived gloo error."""
+    faults = [{"iteration": 0, "rank": 1, "step": 2, "kind": kind, "others": "allreduce"}]
     s = spec(faults=faults, steps=4, steps_after_restart=2)
     with Job("scenario.py", 3, tmp_path, s) as job:
         result = job.wait(60)
-    assert result.returncodes == [0, 0, 0], result.describe()
-    for rank in result.ranks:
-        causes = [line for line in rank.output.splitlines() if "root cause" in line]
-        assert len(causes) == 1, rank.output
-        assert "rank 1/" in causes[0] and "ValueError: boom" in causes[0], causes
+    survivors = [0, 1, 2] if kind == "boom" else [0, 2]
+    assert [result.ranks[r].returncode for r in survivors] == [0] * len(survivors)
+    for rank in survivors:
+        output = result.ranks[rank].output
+        causes = [line for line in output.splitlines() if "root cause" in line]
+        assert len(causes) == 1, output
+        assert "rank 1/" in causes[0] and cause in causes[0], causes
+        ours = [line for line in output.splitlines() if " inprocess." in line]
+        assert not [line for line in ours if "Connection closed" in line], ours
     assert not result.leftovers
