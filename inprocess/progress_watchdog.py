@@ -23,6 +23,17 @@ Two clocks are kept:
   running bytecode, so waiting for a lost peer never costs a healthy rank its
   life; a main thread stuck in C there lets it run on from where it stood.
 
+This is what makes a stopped (SIGSTOP) or hung rank cost only itself: its own
+hard clock runs (it runs no bytecode, in or out of the function) and its own
+monitor process ends it, while the survivors, interrupted by their soft
+timeout, wait in the termination barrier with their clocks standing still.
+Declaring a stopped peer dead early instead would guess at intent (a debugger
+or job control stops processes too) and would not help a rank hung in C; the
+wait it would save is bounded anyway by the peer's ``hard_timeout`` plus the
+grace time. Known limit: a rank that runs bytecode without progress (a busy
+loop seen only by the manual ``ping()`` timeout) is restarted by the soft
+timeout every time; its next iteration's bytecode counts as progress.
+
 Both are published in a small shared-memory board that the monitor process
 reads to enforce the hard timeout.
 """
