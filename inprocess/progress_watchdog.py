@@ -17,7 +17,12 @@ Two clocks are kept:
 * the hard clock (the board, read by the monitor process) counts time in the
   wrapped function without progress, and a restart does not reset it: a hang
   that recurs after every restart still reaches the hard timeout. Only
-  progress inside the wrapped function resets it. While the rank is in the
+  progress inside the wrapped function resets it, and progress means more
+  than the few bytecodes a recurring hang runs before it hangs again
+  (``init_process_group``, building the model): the stall carried out of
+  iterations that ended stalled past ``soft_timeout`` is forgiven once an
+  iteration has run for ``soft_timeout`` and still shows progress, or ends
+  while progressing (a peer's fault). While the rank is in the
   restart procedure (outside the wrapped function: abort, finalize, barriers
   that wait for peers) the clock stands still as long as the main thread keeps
   running bytecode, so waiting for a lost peer never costs a healthy rank its
@@ -148,15 +153,27 @@ class ProgressWatchdog(threading.Thread):
       before the interrupt (:meth:`freeze`) or the exit (:meth:`pause`): the
       restart procedure's own bytecode, and the signal handler that wakes an
       interrupted main thread, never reset the hard clock;
-    * outside the function the hard clock shows the stall carried out of it
-      (``_carry``) plus the time since the main thread last ran bytecode.
+    * the board's stall is ``_carry`` (carried from earlier iterations) plus the
+      time since the last heartbeat that counts (in the function: since the
+      later of entry and last progress; outside it: since the main thread last
+      ran bytecode), i.e. ``board auto == _progress``.
+
+    ``soft_timeout`` (None: forgive at once, as if every iteration were new)
+    decides what an iteration must show before the carried stall is forgiven.
     """
 
-    def __init__(self, interval: float, board: ProgressBoard, automatic: bool = True) -> None:
+    def __init__(
+        self,
+        interval: float,
+        board: ProgressBoard,
+        automatic: bool = True,
+        soft_timeout: float | None = None,
+    ) -> None:
         super().__init__(name="inprocess-progress-watchdog", daemon=True)
         self.interval = interval
         self.board = board
         self.automatic = automatic
+        self.soft_timeout = soft_timeout
         now = time.monotonic()
         self._lock = threading.Lock()
         self._auto = now  # soft clock: last heartbeat or start of the iteration
@@ -198,6 +215,7 @@ class ProgressWatchdog(threading.Thread):
         """
         with self._lock:
             now = time.monotonic()
+            self._carry = max(0.0, now - self._progress)
             self._in_function = True
             self._frozen = False
             self._resumed_at = now
@@ -220,7 +238,13 @@ class ProgressWatchdog(threading.Thread):
         with self._lock:
             now = time.monotonic()
             self._in_function = False
-            self._carry = max(0.0, now - self._progress)
+            stalled = max(0.0, now - self._progress)
+            if self.soft_timeout is not None and stalled - self._carry < self.soft_timeout:
+                # It was progressing when the iteration ended: nothing to carry.
+                self._carry = 0.0
+                self._progress = now
+            else:
+                self._carry = stalled
             self._manual_active = False
             self.board.write_manual(now, False)
 
@@ -253,7 +277,9 @@ class ProgressWatchdog(threading.Thread):
             if not self._in_function:
                 self._progress = now - self._carry
             elif not self._frozen and self._queued_at >= self._resumed_at:
-                self._progress = now
+                if self.soft_timeout is None or now - self._resumed_at > self.soft_timeout:
+                    self._carry = 0.0  # this iteration outlived a soft timeout
+                self._progress = now - self._carry
         if not self._call_pending:
             self._call_pending = _add_pending_call(_SEM_POST, _SEMAPHORE) == 0
             self._queued_at = now

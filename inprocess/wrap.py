@@ -503,7 +503,10 @@ class CallWrapper:
 
         on_main_thread = threading.current_thread() is threading.main_thread()
         self._watchdog = ProgressWatchdog(
-            seconds["progress_watchdog_interval"], board, automatic=on_main_thread
+            seconds["progress_watchdog_interval"],
+            board,
+            automatic=on_main_thread,
+            soft_timeout=seconds["soft_timeout"],
         )
         self._watchdog.start()
         cleanup.callback(self._watchdog.shutdown)

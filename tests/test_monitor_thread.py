@@ -269,7 +269,7 @@ def test_progress_watchdog_sees_a_blocked_main_thread():
 
 def test_hard_clock_outlives_restarts_and_stands_still_outside_the_function():
     board = ProgressBoard()
-    watchdog = ProgressWatchdog(0.01, board)
+    watchdog = ProgressWatchdog(0.01, board, soft_timeout=0.25)
     watchdog.start()
 
     def hard_stall():
@@ -278,7 +278,7 @@ def test_hard_clock_outlives_restarts_and_stands_still_outside_the_function():
     try:
         spin(0.05)
         watchdog.resume(0)
-        time.sleep(0.3)  # a hang in the function
+        time.sleep(0.3)  # a hang in the function, past the soft timeout
         watchdog.freeze()  # the monitor thread interrupts it...
         spin(0.05)  # ... and the interrupted function's own bytecode is no progress
         watchdog.pause()
@@ -286,13 +286,14 @@ def test_hard_clock_outlives_restarts_and_stands_still_outside_the_function():
         assert carried > 0.3
         spin(0.3)  # the restart procedure runs Python: the clock stands still
         assert carried - 0.05 < hard_stall() < carried + 0.2
-        start = time.monotonic()
         watchdog.resume(1)
-        time.sleep(0.2)  # the hang recurs: the hard clock goes on, the soft one restarted
+        spin(0.05)  # a little setup bytecode does not forgive the carried stall...
+        start = time.monotonic()
+        time.sleep(0.15)  # ... when the hang recurs; the soft clock restarted
         elapsed = time.monotonic() - start
-        assert watchdog.stalled_for() <= elapsed + 0.01
+        assert watchdog.stalled_for() < elapsed + 0.1
         assert hard_stall() > carried - 0.05 + elapsed
-        spin(0.3)  # progress inside the function resets it
+        spin(0.4)  # progress that outlives a soft timeout does
         assert hard_stall() < 0.2
     finally:
         watchdog.shutdown()
