@@ -129,9 +129,10 @@ class Wrapper:
         monitor_process_interval: how often the monitor process checks its rank.
         progress_watchdog_interval: how often automatic heartbeats are issued.
         soft_timeout: no progress for this long restarts the job in-process.
-        hard_timeout: no progress in the function for this long, summed over
+        hard_timeout: no progress in the function for this long, counted across
             restarts (a hang that recurs after every restart), terminates the
-            rank's process with SIGTERM.
+            rank's process with SIGTERM; waiting for peers in the restart
+            procedure does not count.
         heartbeat_timeout: a rank whose heartbeats stop for this long is terminated.
         heartbeat_interval: how often the monitor process sends heartbeats
             (default: ``monitor_process_interval``).
