@@ -452,7 +452,7 @@ class CallWrapper:
                 self._finalize(result.exception)
                 self._health_check(result.exception)
                 terminated, joiners = self._termination_barrier(current)
-                self._log_root_cause(current.baseline, result.exception)
+                self._log_root_cause(result.exception)
                 prev_members, iteration = current.members, current.index + 1
 
     # ---------------------------------------------------------------- setup / teardown
@@ -683,7 +683,10 @@ class CallWrapper:
                 j for j in store.join_requests() if j not in current.members and j not in gone
             ]
             joiners.sort(key=lambda j: (initial_rank_of(j), j))
-            return json.dumps({"terminated": sorted(terminated), "joiners": joiners})
+            cause = _root_cause(store, current.baseline)
+            return json.dumps(
+                {"terminated": sorted(terminated), "joiners": joiners, "cause": cause}
+            )
 
         decision = json.loads(
             store.rendezvous(
@@ -696,6 +699,7 @@ class CallWrapper:
                 self._restart_poll,
             )
         )
+        self._restart_cause = decision.get("cause")
         return set(decision["terminated"]), list(decision["joiners"])
 
     def _completion_barrier(self, current: _Iteration) -> None:
@@ -810,22 +814,14 @@ class CallWrapper:
         s.fn_exception = ex
         return outcome
 
-    def _log_root_cause(self, baseline: int, ex: BaseException | None) -> None:
+    def _log_root_cause(self, ex: BaseException | None) -> None:
         """Logs, in one line, the fault that started this restart: which rank, which error.
 
-        Called after the termination barrier, when every fault of the iteration
-        is in the fault log (one entry per increment of the fault counter,
-        appended before it, so the entries from ``baseline`` on are this
-        iteration's, in order). The first entry that is not a communication
-        error is the root cause: a survivor's gloo "Connection closed by peer"
-        is derived from a peer's fault, and it may be recorded before the
-        death that caused it, which the dead rank's monitor process records.
+        Not this rank's own error, which is usually derived from a peer's fault
+        (gloo's "Connection closed by peer"): the termination barrier's decision
+        names the root cause (see :func:`_root_cause`).
         """
-        entries: list[dict[str, Any]] = []
-        with contextlib.suppress(Exception):
-            entries = self.store.fault_log()[baseline:]
-        primary = [e for e in entries if not _derived(str(e.get("reason", "")))]
-        root = (primary or entries or [None])[0]
+        root = getattr(self, "_restart_cause", None)
         if root is None:
             cause = f"{type(ex).__name__}: {ex}" if ex is not None else "unknown"
             log.warning(
@@ -1000,6 +996,25 @@ _DERIVED_ERRORS = (
 def _derived(reason: str) -> bool:
     """Whether a recorded fault reads as the consequence of another rank's fault."""
     return any(text in reason for text in _DERIVED_ERRORS)
+
+
+def _root_cause(store: StoreMixin, baseline: int) -> dict[str, Any] | None:
+    """The fault that started a restart, read once by the termination barrier's decider.
+
+    At the barrier every fault of the iteration is in the fault log (one entry
+    per increment of the fault counter, appended before it, so the entries
+    from ``baseline`` on are this iteration's, in order). The first one that is
+    not a communication error is the root cause: a survivor's "Connection
+    closed by peer" is derived, and may be recorded before the death that
+    caused it (which the dead rank's monitor process records).
+    """
+    try:
+        entries = store.fault_log()[baseline:]
+    except Exception:
+        return None
+    primary = [e for e in entries if not _derived(str(e.get("reason", "")))]
+    root = (primary or entries or [None])[0]
+    return None if root is None else {"rank": root["rank"], "reason": root["reason"]}
 
 
 def _seconds(w: Wrapper) -> dict[str, float]:
