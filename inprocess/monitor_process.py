@@ -13,7 +13,8 @@ number the child reuses). Otherwise it is started as a fresh interpreter
   segfault, ``os._exit``) is noticed at once and recorded in the store, which
   makes every other rank restart without this one;
 * enforces the hard timeout: when the progress board shows no progress for
-  ``hard_timeout``, it sends SIGCONT and SIGTERM, waits
+  ``hard_timeout`` (time in the wrapped function, across restarts; see
+  :mod:`inprocess.progress_watchdog`), it sends SIGCONT and SIGTERM, waits
   ``termination_grace_time``, then SIGCONT, SIGTERM and SIGKILL;
 * sends heartbeats for its rank and watches the heartbeats of the next ranks of
   the current membership (a ring), declaring a rank terminated when its counter
@@ -290,7 +291,8 @@ class _Guardian:
             if stalled <= self.config.hard_timeout:
                 return
             log.warning(
-                "rank %s made no progress for %.2fs: terminating process %d",
+                "rank %s made no progress in the wrapped function for %.2fs (restarts do "
+                "not reset this clock): terminating process %d",
                 self.config.identity,
                 stalled,
                 pid,

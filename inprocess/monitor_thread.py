@@ -203,6 +203,7 @@ class MonitorThread(threading.Thread):
         stalled_for: Callable[[], float],
         abort: Callable[[Any], Any] | None,
         interrupt: InterruptSignal,
+        on_interrupt: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(name="inprocess-monitor-thread", daemon=True)
         self.store = store
@@ -215,6 +216,8 @@ class MonitorThread(threading.Thread):
         self.stalled_for = stalled_for
         self.abort = abort
         self.interrupt = interrupt
+        #: called under ``lock`` just before the restart exception is sent
+        self.on_interrupt = on_interrupt
         self._armed: Armed | None = None
         self._stop_event = threading.Event()
         self._wake = threading.Event()
@@ -300,6 +303,8 @@ class MonitorThread(threading.Thread):
             log.debug("%s: interrupting iteration %d (%s)", self.identity, armed.iteration, cause)
             armed.interrupted = True
             armed.cause = cause
+            if self.on_interrupt is not None:
+                self.on_interrupt()
             async_raise(self.target_thread_id, RankShouldRestart)
             if self.abort is not None:
                 try:

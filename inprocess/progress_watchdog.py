@@ -10,8 +10,37 @@ call is queued at a time (CPython's queue holds 32).
 Manual heartbeats come from :meth:`inprocess.CallWrapper.ping`; their timeout
 starts at the first ping of an iteration.
 
-Both timestamps are published in a small shared-memory board that the monitor
-process reads to enforce the hard timeout.
+Two clocks are kept:
+
+* the soft clock (:meth:`ProgressWatchdog.stalled_for`, read by the monitor
+  thread) restarts with every iteration: a hang is restarted in-process;
+* the hard clock (the board, read by the monitor process) counts time in the
+  wrapped function without progress, and a restart does not reset it: a hang
+  that recurs after every restart still reaches the hard timeout. Only
+  progress inside the wrapped function resets it, and progress means more
+  than the few bytecodes a recurring hang runs before it hangs again
+  (``init_process_group``, building the model): the stall carried out of
+  iterations that ended stalled past ``soft_timeout`` is forgiven once an
+  iteration has run for ``soft_timeout`` and still shows progress, or ends
+  while progressing (a peer's fault). While the rank is in the
+  restart procedure (outside the wrapped function: abort, finalize, barriers
+  that wait for peers) the clock stands still as long as the main thread keeps
+  running bytecode, so waiting for a lost peer never costs a healthy rank its
+  life; a main thread stuck in C there lets it run on from where it stood.
+
+This is what makes a stopped (SIGSTOP) or hung rank cost only itself: its own
+hard clock runs (it runs no bytecode, in or out of the function) and its own
+monitor process ends it, while the survivors, interrupted by their soft
+timeout, wait in the termination barrier with their clocks standing still.
+Declaring a stopped peer dead early instead would guess at intent (a debugger
+or job control stops processes too) and would not help a rank hung in C; the
+wait it would save is bounded anyway by the peer's ``hard_timeout`` plus the
+grace time. Known limit: a rank that runs bytecode without progress (a busy
+loop seen only by the manual ``ping()`` timeout) is restarted by the soft
+timeout every time; its next iteration's bytecode counts as progress.
+
+Both are published in a small shared-memory board that the monitor process
+reads to enforce the hard timeout.
 """
 
 from __future__ import annotations
@@ -50,7 +79,8 @@ def _pending_call_ran() -> bool:
 class ProgressBoard:
     """Shared memory between a rank and its monitor process (``CLOCK_MONOTONIC`` times).
 
-    Five aligned 8-byte words: auto timestamp, manual timestamp (doubles),
+    Five aligned 8-byte words: auto timestamp (the hard clock's reference: the
+    rank has made no progress for ``now - auto``), manual timestamp (doubles),
     manual active, iteration, finished flag (int64). Each is written with one
     8-byte store through a typed memoryview, so a reader in the other process
     never sees a torn or half-written value. (``struct.pack_into`` is not safe
@@ -112,19 +142,58 @@ class ProgressBoard:
 
 
 class ProgressWatchdog(threading.Thread):
-    """Issues automatic heartbeats and collects manual ones for one Wrapper call."""
+    """Issues automatic heartbeats and collects manual ones for one Wrapper call.
 
-    def __init__(self, interval: float, board: ProgressBoard, automatic: bool = True) -> None:
+    The main thread brackets each stay in the wrapped function with
+    :meth:`resume` and :meth:`pause`; the monitor thread calls :meth:`freeze`
+    when it interrupts the function. Invariants, enforced under ``_lock``:
+
+    * a heartbeat counts as progress in the function only if its pending call
+      was queued after the function was entered (:meth:`resume`) and seen
+      before the interrupt (:meth:`freeze`) or the exit (:meth:`pause`): the
+      restart procedure's own bytecode, and the signal handler that wakes an
+      interrupted main thread, never reset the hard clock;
+    * the board's stall is ``_carry`` (carried from earlier iterations) plus the
+      time since the last heartbeat that counts (in the function: since the
+      later of entry and last progress; outside it: since the main thread last
+      ran bytecode), i.e. ``board auto == _progress``.
+
+    ``soft_timeout`` (None: forgive at once, as if every iteration were new)
+    decides what an iteration must show before the carried stall is forgiven.
+    """
+
+    def __init__(
+        self,
+        interval: float,
+        board: ProgressBoard,
+        automatic: bool = True,
+        soft_timeout: float | None = None,
+    ) -> None:
         super().__init__(name="inprocess-progress-watchdog", daemon=True)
         self.interval = interval
         self.board = board
         self.automatic = automatic
+        self.soft_timeout = soft_timeout
         now = time.monotonic()
-        self._auto = now
+        self._lock = threading.Lock()
+        self._auto = now  # soft clock: last heartbeat or start of the iteration
+        self._progress = now  # hard clock reference, published as the board's auto
+        self._carry = 0.0  # seconds without progress carried out of the function
+        self._in_function = False
+        self._frozen = False
+        self._resumed_at = now
+        self._queued_at = now
         self._manual = now
         self._manual_active = False
         self._call_pending = False
         self._stop_event = threading.Event()
+        # The semaphore is shared by every watchdog of the process (one at a
+        # time runs automatic heartbeats: the main thread's). A post left by an
+        # earlier watchdog would make each later "did my call run?" answer one
+        # call late, for good (it once reset the hard clock at the start of a
+        # hang): start from zero, and shutdown() leaves zero behind.
+        while _pending_call_ran():
+            pass
         if not automatic:
             log.warning(
                 "the wrapped function does not run on the main thread: automatic "
@@ -138,15 +207,46 @@ class ProgressWatchdog(threading.Thread):
         self._manual_active = True
         self.board.write_manual(now, True)
 
-    def reset(self, iteration: int) -> None:
-        """Starts a new iteration: progress is fresh, the manual timeout is off."""
-        now = time.monotonic()
-        self._auto = now
-        self._manual = now
-        self._manual_active = False
-        self.board.write_iteration(iteration)
-        self.board.write_auto(now)
-        self.board.write_manual(now, False)
+    def resume(self, iteration: int) -> None:
+        """Enters the wrapped function for ``iteration``.
+
+        The soft clock starts afresh and the manual timeout is off; the hard
+        clock goes on from where the restart procedure left it.
+        """
+        with self._lock:
+            now = time.monotonic()
+            self._carry = max(0.0, now - self._progress)
+            self._in_function = True
+            self._frozen = False
+            self._resumed_at = now
+            self._auto = now
+            self._manual = now
+            self._manual_active = False
+            self.board.write_iteration(iteration)
+            self.board.write_manual(now, False)
+
+    #: the name of :meth:`resume` before the hard clock outlived restarts
+    reset = resume
+
+    def freeze(self) -> None:
+        """The function is being interrupted: nothing seen from now on is its progress."""
+        with self._lock:
+            self._frozen = True
+
+    def pause(self) -> None:
+        """Leaves the wrapped function (to restart or finish): the hard clock stands still."""
+        with self._lock:
+            now = time.monotonic()
+            self._in_function = False
+            stalled = max(0.0, now - self._progress)
+            if self.soft_timeout is not None and stalled - self._carry < self.soft_timeout:
+                # It was progressing when the iteration ended: nothing to carry.
+                self._carry = 0.0
+                self._progress = now
+            else:
+                self._carry = stalled
+            self._manual_active = False
+            self.board.write_manual(now, False)
 
     def pause_manual(self) -> None:
         """Leaves the wrapped function: only automatic heartbeats count."""
@@ -154,7 +254,7 @@ class ProgressWatchdog(threading.Thread):
         self.board.write_manual(time.monotonic(), False)
 
     def stalled_for(self) -> float:
-        """Seconds since the least recent relevant heartbeat."""
+        """Seconds since the least recent relevant heartbeat of this iteration (soft clock)."""
         now = time.monotonic()
         stalled = now - self._auto if self.automatic else 0.0
         if self._manual_active:
@@ -166,15 +266,33 @@ class ProgressWatchdog(threading.Thread):
             if not self.automatic:
                 self.board.write_auto(time.monotonic())
                 continue
-            if self._call_pending and _pending_call_ran():
-                # It ran at most one interval ago: the main thread runs bytecode.
-                self._auto = time.monotonic()
-                self._call_pending = False
-            if not self._call_pending:
-                self._call_pending = _add_pending_call(_SEM_POST, _SEMAPHORE) == 0
-            self.board.write_auto(self._auto)
+            with self._lock:
+                self._tick(time.monotonic())
+
+    def _tick(self, now: float) -> None:
+        if self._call_pending and _pending_call_ran():
+            # The main thread ran bytecode between the queueing and now.
+            self._call_pending = False
+            self._auto = now
+            if not self._in_function:
+                self._progress = now - self._carry
+            elif not self._frozen and self._queued_at >= self._resumed_at:
+                if self.soft_timeout is None or now - self._resumed_at > self.soft_timeout:
+                    self._carry = 0.0  # this iteration outlived a soft timeout
+                self._progress = now - self._carry
+        if not self._call_pending:
+            self._call_pending = _add_pending_call(_SEM_POST, _SEMAPHORE) == 0
+            self._queued_at = now
+        self.board.write_auto(self._progress)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop_event.set()
         if self.is_alive():
             self.join(timeout)
+        if self._call_pending and threading.current_thread() is threading.main_thread():
+            # Let the call still queued run now (the main thread runs bytecode
+            # here) and consume its post, so that no later watchdog sees it.
+            deadline = time.monotonic() + 1.0
+            while not _pending_call_ran() and time.monotonic() < deadline:
+                time.sleep(0.001)
+            self._call_pending = False

@@ -161,7 +161,10 @@ class Wrapper:
         monitor_process_interval: how often the monitor process checks its rank.
         progress_watchdog_interval: how often automatic heartbeats are issued.
         soft_timeout: no progress for this long restarts the job in-process.
-        hard_timeout: no progress for this long terminates the rank's process.
+        hard_timeout: no progress in the function for this long, counted across
+            restarts (a hang that recurs after every restart), terminates the
+            rank's process with SIGTERM; waiting for peers in the restart
+            procedure does not count.
         heartbeat_timeout: a rank whose heartbeats stop for this long is terminated.
         heartbeat_interval: how often the monitor process sends heartbeats
             (default: ``monitor_process_interval``).
@@ -485,6 +488,7 @@ class CallWrapper:
                 self._finalize(result.exception)
                 self._health_check(result.exception)
                 terminated, joiners = self._termination_barrier(current)
+                self._log_root_cause(result.exception)
                 prev_members, iteration = current.members, current.index + 1
 
     # ---------------------------------------------------------------- setup / teardown
@@ -536,7 +540,10 @@ class CallWrapper:
 
         on_main_thread = threading.current_thread() is threading.main_thread()
         self._watchdog = ProgressWatchdog(
-            seconds["progress_watchdog_interval"], board, automatic=on_main_thread
+            seconds["progress_watchdog_interval"],
+            board,
+            automatic=on_main_thread,
+            soft_timeout=seconds["soft_timeout"],
         )
         self._watchdog.start()
         cleanup.callback(self._watchdog.shutdown)
@@ -554,6 +561,7 @@ class CallWrapper:
             last_call_wait=seconds["last_call_wait"],
             soft_timeout=seconds["soft_timeout"],
             stalled_for=self._watchdog.stalled_for,
+            on_interrupt=self._watchdog.freeze,
             abort=w.abort,
             interrupt=self._interrupt,
         )
@@ -711,7 +719,10 @@ class CallWrapper:
                 j for j in store.join_requests() if j not in current.members and j not in gone
             ]
             joiners.sort(key=lambda j: (initial_rank_of(j), j))
-            return json.dumps({"terminated": sorted(terminated), "joiners": joiners})
+            cause = _root_cause(store, current.baseline)
+            return json.dumps(
+                {"terminated": sorted(terminated), "joiners": joiners, "cause": cause}
+            )
 
         decision = json.loads(
             store.rendezvous(
@@ -724,6 +735,7 @@ class CallWrapper:
                 self._restart_poll,
             )
         )
+        self._restart_cause = decision.get("cause")
         return set(decision["terminated"]), list(decision["joiners"])
 
     def _completion_barrier(self, current: _Iteration) -> None:
@@ -776,7 +788,7 @@ class CallWrapper:
         """
         s = self.state
         self._board.write_iteration(current.index)
-        self._watchdog.reset(current.index)
+        self._watchdog.resume(current.index)
         monitor = self._monitor
         armed = monitor.arm(current.index, current.baseline, s)
         outcome = _Result()
@@ -805,6 +817,9 @@ class CallWrapper:
             monitor.disarm()
         except RankShouldRestart:
             monitor.disarm()
+        # Out of the function: the hard clock stands still while this rank only
+        # waits for its peers (see inprocess.progress_watchdog).
+        self._watchdog.pause()
         if outcome.completed:
             return outcome
         return self._classify_fault(outcome, armed)
@@ -824,7 +839,9 @@ class CallWrapper:
         elif isinstance(ex, Exception):
             # Format now: a log record must not keep the exception (and the
             # frames its traceback holds) alive.
-            log.warning("%s: iteration %d failed: %s", self.identity, s.iteration, repr(ex))
+            # Logged at INFO: it may be derived from a peer's fault; the root
+            # cause is logged once the termination barrier has seen them all.
+            log.info("%s: iteration %d failed: %s", self.identity, s.iteration, repr(ex))
             self.store.record_fault(self.identity, f"{type(ex).__name__}: {ex}")
             self.store.decide_outcome(s.iteration, "fault")
         else:
@@ -833,6 +850,29 @@ class CallWrapper:
             raise ex
         s.fn_exception = ex
         return outcome
+
+    def _log_root_cause(self, ex: BaseException | None) -> None:
+        """Logs, in one line, the fault that started this restart: which rank, which error.
+
+        Not this rank's own error, which is usually derived from a peer's fault
+        (gloo's "Connection closed by peer"): the termination barrier's decision
+        names the root cause (see :func:`_root_cause`).
+        """
+        root = getattr(self, "_restart_cause", None)
+        if root is None:
+            cause = f"{type(ex).__name__}: {ex}" if ex is not None else "unknown"
+            log.warning(
+                "%s: restarted iteration %d: %s", self.identity, self.state.iteration, cause
+            )
+            return
+        log.warning(
+            "%s: restarted iteration %d; root cause: rank %s%s: %s",
+            self.identity,
+            self.state.iteration,
+            root["rank"],
+            " (this rank)" if root["rank"] == self.identity else "",
+            root["reason"],
+        )
 
     @contextlib.contextmanager
     def _function_environment(self, current: _Iteration) -> Iterator[None]:
@@ -991,6 +1031,39 @@ def _decide_membership(
     if any(j not in members and j not in gone for j in store.join_requests()):
         baseline -= 1
     return json.dumps({"members": members, "baseline": baseline})
+
+
+#: texts of errors that a rank's collective raises because of a peer's fault
+_DERIVED_ERRORS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "DistNetworkError",
+)
+
+
+def _derived(reason: str) -> bool:
+    """Whether a recorded fault reads as the consequence of another rank's fault."""
+    return any(text in reason for text in _DERIVED_ERRORS)
+
+
+def _root_cause(store: StoreMixin, baseline: int) -> dict[str, Any] | None:
+    """The fault that started a restart, read once by the termination barrier's decider.
+
+    At the barrier every fault of the iteration is in the fault log (one entry
+    per increment of the fault counter, appended before it, so the entries
+    from ``baseline`` on are this iteration's, in order). The first one that is
+    not a communication error is the root cause: a survivor's "Connection
+    closed by peer" is derived, and may be recorded before the death that
+    caused it (which the dead rank's monitor process records).
+    """
+    try:
+        entries = store.fault_log()[baseline:]
+    except Exception:
+        return None
+    primary = [e for e in entries if not _derived(str(e.get("reason", "")))]
+    root = (primary or entries or [None])[0]
+    return None if root is None else {"rank": root["rank"], "reason": root["reason"]}
 
 
 def _seconds(w: Wrapper) -> dict[str, float]:

@@ -119,9 +119,10 @@ def wait_for(path_pattern, job, timeout=60):
     raise AssertionError("ranks did not start")
 
 
-def external_fault(tmp_path, action):
+def external_fault(tmp_path, action, **kw):
     """Runs a long iteration 0 and applies ``action(job)`` to rank 2 from outside."""
-    with Job("scenario.py", WORLD, tmp_path, spec(steps=100000, steps_after_restart=4)) as job:
+    s = spec(steps=100000, steps_after_restart=4, **kw)
+    with Job("scenario.py", WORLD, tmp_path, s) as job:
         wait_for("started{rank}_0", job)
         time.sleep(0.3)  # everyone is inside all_reduce steps now
         fault_time = time.monotonic()
@@ -142,11 +143,20 @@ def test_sigkill_from_outside(tmp_path):
 
 
 @pytest.mark.timeout(150)
-def test_sigstop_from_outside_is_killed_by_the_hard_timeout(tmp_path):
+@pytest.mark.parametrize("ping", [False, True])
+def test_sigstop_from_outside_is_killed_by_the_hard_timeout(tmp_path, ping):
+    """A stopped rank costs only itself (issue 9).
+
+    The survivors hit their soft timeout, then wait in the restart procedure
+    until the stopped rank's own monitor ends it: that wait is not their hang.
+    With ``ping`` their manual heartbeats, stale since the peer stopped, must
+    not count there either (they once killed every healthy rank).
+    """
     result, fault_time = external_fault(
-        tmp_path, lambda job: os.kill(job.pid(VICTIM), signal.SIGSTOP)
+        tmp_path, lambda job: os.kill(job.pid(VICTIM), signal.SIGSTOP), ping=ping
     )
     check_only_victim_lost(result)
+    assert result.ranks[VICTIM].returncode == -signal.SIGTERM, result.describe()
     delays = ready_after(result, fault_time)
     assert set(delays) == {0, 1, 3} and max(delays.values()) < HARD + GRACE + MARGIN, delays
 
@@ -180,3 +190,42 @@ def test_manual_ping_timeout_catches_a_busy_loop(tmp_path):
     assert len(delays) == WORLD and max(delays.values()) < SOFT + MARGIN, delays
     interrupted = [e for e in result.report(VICTIM)["events"] if e["kind"] == "interrupted"]
     assert interrupted[0]["exception"] == "RankShouldRestart"
+
+
+@pytest.mark.timeout(120)
+def test_a_hang_that_recurs_after_every_restart_reaches_the_hard_timeout(tmp_path):
+    """Restarts do not reset the hard clock: the hung rank is SIGTERMed (exit -15)."""
+    soft, hard = 1.5, 4.0
+    with Job("recurring_hang.py", 2, tmp_path, {"soft": soft, "hard": hard, "sleep": 30}) as job:
+        result = job.wait(60)
+    assert result.ranks[1].returncode == -signal.SIGTERM, result.describe()
+    assert result.ranks[0].returncode == 0, result.describe()
+    # Rank 1 was restarted (soft timeout) at least twice before the hard timeout
+    # ended it; rank 0 then finished alone.
+    started = sorted(int(p.name.split("_")[1]) for p in tmp_path.glob("started1_*"))
+    assert len(started) >= 2, started
+    assert result.report(0)["returned"] > max(started), result.describe()
+    first = float((tmp_path / "started1_0").read_text())
+    last = float((tmp_path / f"started1_{max(started)}").read_text())
+    assert last - first < hard + MARGIN, (first, last)
+    assert not result.leftovers
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("kind", "cause"), [("boom", "ValueError: boom"), ("kill", "died")])
+def test_every_rank_logs_the_root_cause_of_a_restart(tmp_path, kind, cause):
+    """Survivors name the faulty rank and its error, not their derived gloo error."""
+    faults = [{"iteration": 0, "rank": 1, "step": 2, "kind": kind, "others": "allreduce"}]
+    s = spec(faults=faults, steps=4, steps_after_restart=2)
+    with Job("scenario.py", 3, tmp_path, s) as job:
+        result = job.wait(60)
+    survivors = [0, 1, 2] if kind == "boom" else [0, 2]
+    assert [result.ranks[r].returncode for r in survivors] == [0] * len(survivors)
+    for rank in survivors:
+        output = result.ranks[rank].output
+        causes = [line for line in output.splitlines() if "root cause" in line]
+        assert len(causes) == 1, output
+        assert "rank 1/" in causes[0] and cause in causes[0], causes
+        ours = [line for line in output.splitlines() if " inprocess." in line]
+        assert not [line for line in ours if "Connection closed" in line], ours
+    assert not result.leftovers

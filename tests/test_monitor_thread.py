@@ -267,6 +267,39 @@ def test_progress_watchdog_sees_a_blocked_main_thread():
         board.close()
 
 
+def test_hard_clock_outlives_restarts_and_stands_still_outside_the_function():
+    board = ProgressBoard()
+    watchdog = ProgressWatchdog(0.01, board, soft_timeout=0.25)
+    watchdog.start()
+
+    def hard_stall():
+        return time.monotonic() - board.last_progress()
+
+    try:
+        spin(0.05)
+        watchdog.resume(0)
+        time.sleep(0.3)  # a hang in the function, past the soft timeout
+        watchdog.freeze()  # the monitor thread interrupts it...
+        spin(0.05)  # ... and the interrupted function's own bytecode is no progress
+        watchdog.pause()
+        carried = hard_stall()
+        assert carried > 0.3
+        spin(0.3)  # the restart procedure runs Python: the clock stands still
+        assert carried - 0.05 < hard_stall() < carried + 0.2
+        watchdog.resume(1)
+        spin(0.05)  # a little setup bytecode does not forgive the carried stall...
+        start = time.monotonic()
+        time.sleep(0.15)  # ... when the hang recurs; the soft clock restarted
+        elapsed = time.monotonic() - start
+        assert watchdog.stalled_for() < elapsed + 0.1
+        assert hard_stall() > carried - 0.05 + elapsed
+        spin(0.4)  # progress that outlives a soft timeout does
+        assert hard_stall() < 0.2
+    finally:
+        watchdog.shutdown()
+        board.close()
+
+
 def test_progress_board_is_never_read_half_written():
     """A reader in another process must never see a timestamp being written.
 

@@ -164,6 +164,8 @@ def inject(kind: str) -> None:
     marker.write_text(json.dumps({"kind": kind, "time": time.monotonic()}))
     if kind == "raise":
         raise RuntimeError("injected fault")
+    if kind == "boom":
+        raise ValueError("boom")
     if kind == "keyboard":
         raise KeyboardInterrupt
     if kind == "exit":
