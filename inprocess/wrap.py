@@ -183,7 +183,8 @@ class Wrapper:
         store_kwargs = dict(store_kwargs or {})
         if not all(isinstance(k, str) for k in store_kwargs):
             raise TypeError(
-                f"Wrapper(store_kwargs=...) must have str keys (argument names), got {store_kwargs!r}"
+                "Wrapper(store_kwargs=...) must have str keys (argument names), "
+                f"got {store_kwargs!r}"
             )
         _check_type("initialize", initialize, (Initialize, type(None)), "an Initialize or None")
         _check_type("abort", abort, (Abort, type(None)), "an Abort or None")
@@ -459,6 +460,12 @@ class CallWrapper:
                     iteration, previous, prev_members, terminated, joiners
                 )
                 result = self._run_iteration(current, fn, args, kwargs)
+                if result.exception is not None:
+                    # Breaks the cycle result -> exception -> traceback -> our frames
+                    # -> result: what the function's frames hold (its aborted process
+                    # group, with a listening socket) goes with the exception, not
+                    # whenever the garbage collector runs.
+                    _clear_own_frames(result.exception)
                 if result.completed:
                     self._finish(current)
                     return result.value if self.state.mode == Mode.ACTIVE else None
@@ -567,7 +574,7 @@ class CallWrapper:
         marker = f"{self.namespace}/hosted"
         deadline = time.monotonic() + timeout
         poller = _poller(0.05)
-        while True:
+        for attempt in itertools.count():
             raw = w.store_factory(**w.store_kwargs)
             if getattr(raw, "is_master", False):
                 raw.set(_RANK_HOSTED_KEY, "1")
@@ -584,7 +591,8 @@ class CallWrapper:
                     f"within {timeout:.3g}s (barrier_timeout): did initial rank 0 call the "
                     "wrapped function as often as this rank?"
                 )
-            log.debug("%s: reached a store server of an earlier call; reconnecting", self.identity)
+            if attempt == 0:
+                log.debug("%s: reached the store server of an earlier call; waiting", self.identity)
             poller.sleep(deadline)
 
     def _copy_state(self) -> State:
