@@ -63,8 +63,8 @@ class MonitorConfig:
     board_fd: int
     control_fd: int
     ready_fd: int
-    store_factory: Any
-    store_kwargs: dict[str, Any]
+    #: how to reach the rank's store (a :class:`inprocess.store.ClientSpec`)
+    client: Any
     namespace: str
     interval: float
     heartbeat_interval: float
@@ -136,6 +136,10 @@ class MonitorProcess:
                 self._fork()
             else:
                 self._spawn()
+        except BaseException:
+            os.close(control_w)
+            os.close(ready_r)
+            raise
         finally:
             os.close(control_r)
             os.close(ready_w)
@@ -164,6 +168,17 @@ class MonitorProcess:
         self.process = _ForkedChild(pid)
 
     def _spawn(self) -> None:
+        try:
+            # Before anything is started: a fresh interpreter learns everything from this.
+            payload = pickle.dumps(self.config)
+        except Exception as ex:
+            raise TypeError(
+                "the monitor process must be started as a fresh interpreter here (other "
+                "threads are running, or CUDA is initialized) and cannot be told how to reach "
+                f"the store: {self.config.client!r} is not picklable ({ex}). Give the "
+                "store_factory class a client_spec() method, or define it at module level "
+                "(with picklable store_kwargs)"
+            ) from ex
         env = dict(os.environ)
         env.update(self.config.env)
         env.setdefault("PYTHONWARNINGS", "ignore:Failed to initialize NumPy")
@@ -176,7 +191,7 @@ class MonitorProcess:
             close_fds=True,
         )
         assert process.stdin is not None
-        process.stdin.write(pickle.dumps(self.config))
+        process.stdin.write(payload)
         process.stdin.close()
         self.process = process
 
@@ -229,7 +244,7 @@ class _Guardian:
     def connect(self) -> None:
         from .store import PrefixStore
 
-        raw = self.config.store_factory.client(**self.config.store_kwargs)
+        raw = self.config.client.connect()
         self.store = PrefixStore(self.config.namespace, raw)
         self.store.send_heartbeat(self.config.identity)
 

@@ -38,6 +38,7 @@ Rendezvous
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import logging
@@ -151,6 +152,19 @@ class StoreMixin:
         default constructs the store with the same arguments.
         """
         return cls(**kwargs)
+
+    def client_spec(self) -> ClientSpec | None:
+        """How another process (the monitor process) reaches this store's data.
+
+        Describes the store by what it is, not by the class that built it, so
+        any subclass works, even one defined inside a function (not picklable):
+        a store over torch's ``TCPStore`` is reached by a plain
+        :class:`TCPStore` client at the same host and port, one over
+        ``FileStore`` by a :class:`FileStore` on the same file, a
+        :class:`PrefixStore` by the same prefix over its base's description.
+        ``None`` when unknown; override it for other stores.
+        """
+        return describe(self)
 
     # ------------------------------------------------------------------ primitives
 
@@ -423,6 +437,41 @@ class StoreMixin:
                 on_wait()
             poller.sleep(deadline)
         return _to_str(self.get(key))
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientSpec:
+    """A picklable recipe for a client of a store: ``factory(**kwargs)``.
+
+    The monitor process connects with it; a spawned monitor receives it
+    pickled, so ``factory`` must then be importable by name.
+    """
+
+    factory: Callable[..., StoreMixin]
+    kwargs: dict[str, Any]
+
+    def connect(self) -> StoreMixin:
+        return self.factory(**self.kwargs)
+
+
+def _prefixed(prefix: str, base: ClientSpec) -> StoreMixin:
+    return PrefixStore(prefix, base.connect())
+
+
+def describe(store: Any) -> ClientSpec | None:
+    """A :class:`ClientSpec` of ``store`` from torch's store type, or ``None`` when unknown."""
+    if isinstance(store, dist.TCPStore):
+        # A plain client: never hosts, whatever the original's is_master was.
+        kwargs = {"host_name": store.host, "port": store.port, "timeout": store.timeout}
+        return ClientSpec(TCPStore.client, kwargs)
+    if isinstance(store, dist.FileStore):
+        # world_size -1: a client never takes part in deleting the file.
+        return ClientSpec(FileStore, {"file_name": store.path, "world_size": -1})
+    if isinstance(store, PrefixStore) and isinstance(store.base_store, dist.Store):
+        base = describe(store.base_store)
+        if base is not None:
+            return ClientSpec(_prefixed, {"prefix": store.prefix, "base": base})
+    return None
 
 
 def _env(name: str) -> str | None:

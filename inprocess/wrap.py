@@ -33,20 +33,20 @@ import json
 import logging
 import os
 import pathlib
-import pickle
 import re
 import threading
 import time
 import types
 import typing
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from . import monitor_thread as _mt
 from .abort import Abort, AbortTorchDistributed
 from .compose import Compose
-from .exception import HealthCheckError, InternalError
+from .exception import HealthCheckError, InternalError, StoreError
 from .exception import TimeoutError as RestartTimeoutError
 from .finalize import Finalize
 from .health_check import HealthCheck
@@ -58,6 +58,7 @@ from .rank_assignment import RankAssignment, RankDiscarded, ShiftRanks
 from .rank_filter import RankFilter
 from .state import Mode, State
 from .store import (
+    ClientSpec,
     Poller,
     PrefixStore,
     StoreMixin,
@@ -74,16 +75,9 @@ log = logging.getLogger(__name__)
 _UNSET: Any = object()
 _call_counter = itertools.count()
 
-#: store servers this process hosts for the Wrapper, by port. A server stays up
-#: after its call ends: the next call shares it (torch's multi-tenancy), so a
-#: rank that starts that call early never connects to a server about to shut
-#: down. Released when the process exits, or by release_hosted_stores().
-_hosted_stores: dict[int, Any] = {}
-
-
-def release_hosted_stores() -> None:
-    """Shuts down the store servers the Wrapper keeps hosting in this process."""
-    _hosted_stores.clear()
+#: set on a store server that a rank hosts (never on a launcher's): such a
+#: server lives for one call only, see CallWrapper._open_store
+_RANK_HOSTED_KEY = "inprocess/rank_hosted"
 
 
 # The poll interval of barriers inside the restart procedure: short waits that
@@ -222,14 +216,11 @@ class Wrapper:
             )
         _check_type("store_kwargs", store_kwargs, (dict, type(None)), "a dict or None")
         store_kwargs = dict(store_kwargs or {})
-        try:
-            pickle.dumps(store_kwargs)
-            pickle.dumps(store_factory)
-        except Exception as ex:
+        if not all(isinstance(k, str) for k in store_kwargs):
             raise TypeError(
-                "Wrapper(store_factory=..., store_kwargs=...) must be picklable: the monitor "
-                f"process builds its own store client from them ({ex})"
-            ) from ex
+                "Wrapper(store_kwargs=...) must have str keys (argument names), "
+                f"got {store_kwargs!r}"
+            )
         _check_type("initialize", initialize, (Initialize, type(None)), "an Initialize or None")
         _check_type("abort", abort, (Abort, type(None)), "an Abort or None")
         _check_type("finalize", finalize, (Finalize, type(None)), "a Finalize or None")
@@ -416,12 +407,31 @@ class CallWrapper:
 
     def __init__(self, wrapper: Wrapper) -> None:
         self.wrapper = wrapper
+        #: every State that may hold this call's store (weakly), see _release_store
+        self._states: list[weakref.ref[State]] = []
         self.state = State()
         self._lock = threading.RLock()
         self._watchdog: ProgressWatchdog | None = None
         self._monitor: MonitorThread | None = None
 
     # ---------------------------------------------------------------- public controls
+
+    @property
+    def state(self) -> State:
+        """This rank's :class:`State` in the current iteration."""
+        return self._state
+
+    @state.setter
+    def state(self, value: State) -> None:
+        self._state = self._track(value)
+
+    def _track(self, state: State) -> State:
+        """Remembers a State that may hold the call's store, so releasing can clear it."""
+        if not any(ref() is state for ref in self._states):
+            if len(self._states) >= 64:
+                self._states = [ref for ref in self._states if ref() is not None]
+            self._states.append(weakref.ref(state))
+        return state
 
     @property
     def iteration(self) -> int:
@@ -463,6 +473,15 @@ class CallWrapper:
             )
         _warn_if_logging_is_off()
         self.identity = new_identity(self.state.initial_rank, incarnation_from_env())
+        try:
+            return self._run(fn, args, kwargs)
+        except BaseException as ex:
+            # The call owns what it created: the frames of ours that the
+            # caller's traceback holds must not keep a store (or its server) alive.
+            _clear_own_frames(ex)
+            raise
+
+    def _run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         with contextlib.ExitStack() as cleanup:
             self._start(cleanup)
             if self._joining():
@@ -473,17 +492,23 @@ class CallWrapper:
                 prev_members, terminated, joiners, iteration = membership
             else:
                 prev_members = self._initial_barrier()
-                previous, terminated, joiners, iteration = self.state.copy(), set(), [], 0
+                previous, terminated, joiners, iteration = self._copy_state(), set(), [], 0
 
             while True:
                 current = self._iteration_barrier(
                     iteration, previous, prev_members, terminated, joiners
                 )
                 result = self._run_iteration(current, fn, args, kwargs)
+                if result.exception is not None:
+                    # Breaks the cycle result -> exception -> traceback -> our frames
+                    # -> result: what the function's frames hold (its aborted process
+                    # group, with a listening socket) goes with the exception, not
+                    # whenever the garbage collector runs.
+                    _clear_own_frames(result.exception)
                 if result.completed:
                     self._finish(current)
                     return result.value if self.state.mode == Mode.ACTIVE else None
-                previous = self.state.copy()
+                previous = self._copy_state()
                 self._abort()
                 self._finalize(result.exception)
                 self._health_check(result.exception)
@@ -497,9 +522,7 @@ class CallWrapper:
         w = self.wrapper
         seconds = _seconds(w)
         self.namespace = f"inprocess/{job_namespace()}/call{next(_call_counter)}"
-        raw = w.store_factory(**w.store_kwargs)
-        if getattr(raw, "is_master", False):
-            _hosted_stores.setdefault(raw.port, raw)
+        raw = self._open_store(seconds["barrier_timeout"])
         cleanup.callback(self._release_store)
         cleanup.callback(self._wait_for_exit_if_hosting, raw)
         self.store = PrefixStore(self.namespace, raw)
@@ -517,8 +540,8 @@ class CallWrapper:
                 board_fd=-1,
                 control_fd=-1,
                 ready_fd=-1,
-                store_factory=w.store_factory,
-                store_kwargs=w.store_kwargs,
+                # Described by the store itself: the factory need not be picklable.
+                client=raw.client_spec() or ClientSpec(w.store_factory.client, w.store_kwargs),
                 namespace=self.namespace,
                 interval=seconds["monitor_process_interval"],
                 heartbeat_interval=seconds["heartbeat_interval"],
@@ -576,15 +599,67 @@ class CallWrapper:
         self._seconds = seconds
         self._restart_poll = min(_RESTART_POLL_LIMIT, seconds["monitor_thread_interval"])
 
+    def _open_store(self, timeout: float) -> StoreMixin:
+        """This call's store; never the server of an earlier call that is shutting down.
+
+        A server hosted by a rank serves one call: its host shuts it down once
+        every rank has left the call, so a rank that starts its next call
+        sooner may reach the old server. Invariant: a rank-hosted server carries
+        ``_RANK_HOSTED_KEY`` from its creation on, and ``<namespace>/hosted``
+        for each call it serves, set by its host before that call's initial
+        barrier. A client that reaches a rank-hosted server without this call's
+        mark drops that connection and connects again, with backoff, until the
+        new server is up (ranks agree on the namespace: the same job makes the
+        same sequence of calls). A launcher's store (torchrun's agent,
+        ``inprocess-run``) lives across calls, carries no mark and is used at once;
+        so is a new server reached before its host marked it.
+        """
+        w = self.wrapper
+        marker = f"{self.namespace}/hosted"
+        deadline = time.monotonic() + timeout
+        poller = _poller(0.05)
+        for attempt in itertools.count():
+            raw = w.store_factory(**w.store_kwargs)
+            if getattr(raw, "is_master", False):
+                raw.set(_RANK_HOSTED_KEY, "1")
+                raw.set(marker, self.identity)
+                return raw
+            with contextlib.suppress(Exception):  # the old server may go away meanwhile
+                if not raw.check([_RANK_HOSTED_KEY]) or raw.check([marker]):
+                    return raw
+            del raw  # closes the connection to the old server
+            if time.monotonic() >= deadline:
+                raise StoreError(
+                    f"the store server reached through {w.store_factory.__name__}"
+                    f"(**{w.store_kwargs!r}) belongs to another call and was not replaced "
+                    f"within {timeout:.3g}s (barrier_timeout): did initial rank 0 call the "
+                    "wrapped function as often as this rank?"
+                )
+            if attempt == 0:
+                log.debug("%s: reached the store server of an earlier call; waiting", self.identity)
+            poller.sleep(deadline)
+
+    def _copy_state(self) -> State:
+        return self._track(self.state.copy())
+
     def _release_store(self) -> None:
-        """Drops every reference to the store, so its connections (and a server
-        this rank hosts) close now rather than whenever the CallWrapper is collected."""
+        """Drops every reference of ours to the store, so its connections (and a
+        server this rank hosts) close now, not whenever garbage is collected.
+
+        Invariant: every State that got the store is tracked (``state`` setter,
+        :meth:`_track`); clearing them all covers the states the user's
+        callbacks kept and those the frames of a traceback hold. Their
+        ``fn_exception`` goes too: its traceback reaches frames that held the store.
+        """
         self.store = None
-        self.state.store = None
+        for ref in self._states:
+            state = ref()
+            if state is not None:
+                state.store = None
+                state.fn_exception = None
+        self._states.clear()
         if self._monitor is not None:
             self._monitor.store = None
-        # The last exception's traceback reaches the frames that held the store.
-        self.state.fn_exception = None
 
     def _wait_for_exit_if_hosting(self, raw: Any) -> None:
         """The rank hosting the store keeps it up until every rank has left."""
@@ -689,11 +764,12 @@ class CallWrapper:
 
         The value is the new rank, or ``discard`` when the assignment drops this rank.
         """
-        state = previous.copy()
+        state = self._track(previous.copy())
         state.store = PrefixStore(f"{name}/assignment", self.store)
         terminated_ranks = {prev_members.index(t) for t in terminated if t in prev_members}
         try:
             state, unhandled = self.wrapper.rank_assignment(state, terminated_ranks)
+            self._track(state)
         except RankDiscarded:
             return "discard", previous
         except RestartTimeoutError as ex:
@@ -1081,6 +1157,30 @@ def _seconds(w: Wrapper) -> dict[str, float]:
         "termination_grace_time",
     )
     return {name: getattr(w, name).total_seconds() for name in names}
+
+
+def _clear_own_frames(ex: BaseException) -> None:
+    """Clears the locals of this package's finished frames in ``ex``'s tracebacks.
+
+    Only our own frames: the caller's and the wrapped function's stay intact
+    for post-mortem debugging. Chained exceptions are followed too.
+    """
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [ex]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        tb = current.__traceback__
+        while tb is not None:
+            frame = tb.tb_frame
+            if frame.f_code.co_filename.startswith(package):
+                with contextlib.suppress(RuntimeError):  # still executing
+                    frame.clear()
+            tb = tb.tb_next
+        pending += [current.__cause__, current.__context__]
 
 
 def _td(seconds: float) -> datetime.timedelta:

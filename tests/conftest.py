@@ -35,9 +35,18 @@ def _warm_up_one_time_resources():
     yield
 
 
+def _stores() -> list[str]:
+    """Live store objects of ours (the Wrapper's stores, anything with its protocol)."""
+    from inprocess.store import StoreMixin
+
+    # type(), not isinstance(): some objects warn when their __class__ is read
+    return [repr(o) for o in gc.get_objects() if issubclass(type(o), StoreMixin)]
+
+
 @pytest.fixture(autouse=True)
 def no_leaks():
-    """Fails a test that leaves threads, child processes, open fds or log handlers behind."""
+    """Fails a test that leaves threads, child processes, open fds, log handlers or
+    store objects behind."""
     threads = set(threading.enumerate())
     children = {p.pid for p in psutil.Process().children(recursive=True)}
     fds = _fds()
@@ -53,11 +62,13 @@ def no_leaks():
             if p.pid not in children and p.status() != psutil.STATUS_ZOMBIE
         ]
         new_fds = _fds() - fds
-        if not (new_threads or new_children or new_fds) or time.monotonic() > deadline:
+        stores = _stores()
+        if not (new_threads or new_children or new_fds or stores) or time.monotonic() > deadline:
             break
         time.sleep(0.05)
     assert not new_threads, f"leaked threads: {new_threads}"
     assert not new_children, f"leaked processes: {new_children}"
+    assert not stores, f"leaked store objects: {stores}"
     # fds opened during the test and still open (e.g. sockets of a store)
     leaked = {fd: _describe(fd) for fd in new_fds}
     leaked = {fd: d for fd, d in leaked.items() if d is not None}

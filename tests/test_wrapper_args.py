@@ -20,7 +20,7 @@ td = datetime.timedelta
         ({"store_factory": dict}, TypeError, "store_factory"),
         ({"store_factory": lambda: None}, TypeError, "store_factory"),
         ({"store_kwargs": [1]}, TypeError, "store_kwargs"),
-        ({"store_kwargs": {"x": lambda: None}}, TypeError, "store_kwargs"),
+        ({"store_kwargs": {1: "x"}}, TypeError, "store_kwargs"),
         ({"initialize": lambda s: s}, TypeError, "initialize"),
         ({"abort": object()}, TypeError, "abort"),
         ({"finalize": 1}, TypeError, "finalize"),
