@@ -69,3 +69,57 @@ def test_guide_pattern_restarts_fast_whatever_the_ranks_are_blocked_in(tmp_path)
         f" s, max {max(delays):.3f} s, job {result.duration:.1f} s"
     )
     assert max(delays) < RESTART_BOUND, sorted(delays)[-5:]
+
+
+# --------------------------------------------------------------------------- the faulty app
+
+FAULTY_APP = "faulty_app.py"
+#: exit status of a rank lost to each kind (None: nobody is lost)
+LOST_STATUS = {
+    "exception": None,
+    "exit": 0,
+    "kill": -9,
+    "term": -15,
+    "inject-kill": -9,
+    "inject-term": -15,
+}
+#: per restart: none of these faults has a timeout, so a second each (and some
+#: slack for this loaded machine; the figures are printed)
+PER_RESTART = 2.0
+
+
+def check_faulty_app(out: Path, kind: str, returncodes: list[int | None]) -> None:
+    found = events(out)
+    faults = sorted((e["iteration"], e["time"]) for e in found if e["event"] == "fault")
+    starts = {(e["iteration"], e["rank"]): e for e in found if e["event"] == "start"}
+    returned = [e for e in found if e["event"] == "returned"]
+    lethal = LOST_STATUS[kind] is not None
+    assert len(faults) == (3 if lethal else 4), faults
+    delays = []
+    for iteration, t in faults:
+        back = [e["time"] - t for (i, _), e in starts.items() if i == iteration + 1]
+        assert back, f"nobody came back after the fault of iteration {iteration}"
+        assert len(back) == (WORLD - iteration - 1 if lethal else WORLD)
+        delays += back
+    print(f"\n{kind}: {len(faults)} restarts, all back in the function within {max(delays):.3f} s")
+    assert max(delays) < PER_RESTART, delays
+    if lethal:
+        # The survivors return (rank 0 alone at the end); the lost ranks ended as their fault says.
+        assert [e["rank"] for e in returned] == [0] and returned[0]["value"] == 1
+        assert returncodes[0] == 0
+        assert sorted(returncodes[1:]) == [LOST_STATUS[kind]] * (WORLD - 1), returncodes
+    else:
+        assert sorted(e["rank"] for e in returned) == list(range(WORLD))
+        assert returncodes == [0] * WORLD
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", list(LOST_STATUS))
+def test_faulty_app_ends_by_itself(tmp_path, kind):
+    out = tmp_path / "out"
+    limit = "0" if kind.startswith("inject-") else "5"  # no limit for the external faults
+    with Job(FAULTY_APP, WORLD, tmp_path, args=[kind, str(out), limit]) as job:
+        result = job.wait(90)
+    assert all(rc is not None for rc in result.returncodes), result.describe()
+    assert not result.leftovers, f"orphans: {result.leftovers}"
+    check_faulty_app(out, kind, result.returncodes)
