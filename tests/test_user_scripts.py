@@ -12,12 +12,18 @@ a key a failed peer never writes), DDP construction, ``barrier()``.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import statistics
+import subprocess
+import sys
+import uuid
 from pathlib import Path
 
+import psutil
 import pytest
-from launcher import REPO, Job
+from launcher import MARKER, REPO, WORKERS, Job, free_port, job_processes
 
 pytestmark = pytest.mark.slow
 
@@ -88,7 +94,8 @@ LOST_STATUS = {
 PER_RESTART = 2.0
 
 
-def check_faulty_app(out: Path, kind: str, returncodes: list[int | None]) -> None:
+def check_faulty_app(out: Path, kind: str, returncodes: list[int | None] | None) -> None:
+    """Faults, restarts and returns as the kind says; exit statuses unless ``None``."""
     found = events(out)
     faults = sorted((e["iteration"], e["time"]) for e in found if e["event"] == "fault")
     starts = {(e["iteration"], e["rank"]): e for e in found if e["event"] == "start"}
@@ -106,11 +113,13 @@ def check_faulty_app(out: Path, kind: str, returncodes: list[int | None]) -> Non
     if lethal:
         # The survivors return (rank 0 alone at the end); the lost ranks ended as their fault says.
         assert [e["rank"] for e in returned] == [0] and returned[0]["value"] == 1
+        if returncodes is None:
+            return
         assert returncodes[0] == 0
         assert sorted(returncodes[1:]) == [LOST_STATUS[kind]] * (WORLD - 1), returncodes
     else:
         assert sorted(e["rank"] for e in returned) == list(range(WORLD))
-        assert returncodes == [0] * WORLD
+        assert returncodes in (None, [0] * WORLD)
 
 
 @pytest.mark.timeout(120)
@@ -123,3 +132,37 @@ def test_faulty_app_ends_by_itself(tmp_path, kind):
     assert all(rc is not None for rc in result.returncodes), result.describe()
     assert not result.leftovers, f"orphans: {result.leftovers}"
     check_faulty_app(out, kind, result.returncodes)
+
+
+@pytest.mark.timeout(150)
+def test_faulty_app_under_torchrun(tmp_path):
+    # Real torchrun: its agent hosts the store at MASTER_PORT (the Wrapper's),
+    # rank 0 hosts the application's on MASTER_PORT + 1; a rank that leaves with
+    # sys.exit(0) is a finished worker for torchrun, and the others go on.
+    out = tmp_path / "out"
+    marker = uuid.uuid4().hex
+    env = dict(
+        os.environ,
+        RES_OPTIONS="timeout:1 attempts:1",
+        PYTHONWARNINGS="ignore:Failed to initialize NumPy",
+        PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    )
+    env[MARKER] = marker
+    torchrun = Path(sys.executable).parent / "torchrun"
+    cmd = [str(torchrun), "--nproc-per-node", str(WORLD), "--master-port", str(free_port())]
+    cmd += [str(WORKERS / FAULTY_APP), "exit", str(out), "5"]
+    log = tmp_path / "torchrun.log"
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
+    try:
+        returncode = proc.wait(120)
+    finally:
+        proc.kill()
+        proc.wait()
+        leftovers = job_processes(marker)
+        for p in leftovers:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+    assert returncode == 0, log.read_text(errors="replace")[-6000:]
+    assert not leftovers
+    check_faulty_app(out, "exit", None)
