@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import importlib
 import logging
 import os
@@ -105,7 +106,8 @@ def hold_iteration_servers() -> int:
         return 0
     import torch.distributed as dist
 
-    fresh = {inode: port for inode, port in listening_sockets().items() if inode not in baseline}
+    listening = listening_sockets()
+    fresh = {inode: port for inode, port in listening.items() if inode not in baseline}
     held = []
     for inode, port in fresh.items():
         try:
@@ -120,8 +122,9 @@ def hold_iteration_servers() -> int:
         except Exception as ex:  # not a shareable store server
             log.debug("port %d is not a shared store server: %s", port, ex)
             continue
-        if inode not in listening_sockets():
-            del store  # we started a server of our own: the user's had gone
+        now = listening_sockets()
+        if inode not in now or any(p == port and i not in listening for i, p in now.items()):
+            del store  # we started a server of our own: not the user's
             continue
         held.append(store)
     with _held_lock:
@@ -131,9 +134,51 @@ def hold_iteration_servers() -> int:
 
 
 def release_held_servers() -> None:
-    """Drops the store servers kept by :func:`hold_iteration_servers` (at the end of a call)."""
+    """Drops the store servers kept by :func:`hold_iteration_servers` and the
+    groups kept by :func:`_keep_destroyed_groups` (at the end of a call)."""
     with _held_lock:
         _held_servers.clear()
+    _destroyed_groups.clear()
+
+
+#: process groups the function destroyed, kept until the next iteration starts
+_destroyed_groups: list[Any] = []
+
+
+@contextlib.contextmanager
+def _keep_destroyed_groups() -> Iterator[None]:
+    """Keeps a Python reference to every group the function destroys.
+
+    Works around a deadlock in torch 2.13 (seen in the usage guide's pattern,
+    with or without the Wrapper): a function ending with ``barrier()`` and
+    ``destroy_process_group()`` leaves its DDP model's reducer as the last owner
+    of the gloo group; when the function returns, the reducer is freed with the
+    GIL held and joins the group's worker thread, which is freeing the barrier's
+    work and needs the GIL for that: the rank hangs for good. Held here, the
+    group is freed later from Python, which releases the GIL while it joins.
+    The previous iteration's groups are dropped when the next one starts.
+    """
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    _destroyed_groups.clear()
+    original = c10d.destroy_process_group
+
+    @functools.wraps(original)
+    def destroy_process_group(group: Any = None) -> None:
+        _destroyed_groups.extend(list(c10d._world.pg_map) if group is None else [group])
+        original(group)
+
+    patched = [(module, "destroy_process_group") for module in (dist, c10d)]
+    saved = [getattr(module, name) for module, name in patched]
+    for module, name in patched:
+        setattr(module, name, destroy_process_group)
+    try:
+        yield
+    finally:
+        for (module, name), value in zip(patched, saved, strict=True):
+            if getattr(module, name) is destroy_process_group:
+                setattr(module, name, value)
 
 
 def release_iteration_connections() -> int:
@@ -203,7 +248,8 @@ def fresh_env_rendezvous(store: PrefixStore, iteration: int) -> Iterator[None]:
     _start_group_names(iteration)
     _baseline = set(socket_inodes())
     try:
-        yield
+        with _keep_destroyed_groups():
+            yield
     finally:
         _baseline = None
         if handlers.get("env") is handler:

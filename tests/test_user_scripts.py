@@ -166,3 +166,38 @@ def test_faulty_app_under_torchrun(tmp_path):
     assert returncode == 0, log.read_text(errors="replace")[-6000:]
     assert not leftovers
     check_faulty_app(out, "exit", None)
+
+
+# --------------------------------------------------------------------------- units
+
+
+def test_abort_keeps_the_functions_store_server_and_never_takes_a_port(monkeypatch):
+    import datetime
+    import socket
+
+    import torch.distributed as dist
+
+    from inprocess import user_rendezvous
+    from inprocess.sockets import listening_sockets
+
+    monkeypatch.setattr(user_rendezvous, "_baseline", set(user_rendezvous.socket_inodes()))
+    port = free_port()
+    user = dist.TCPStore("127.0.0.1", port, is_master=True, multi_tenant=True,
+                         wait_for_workers=False, timeout=datetime.timedelta(seconds=5))
+    plain = socket.socket()  # a listener that is no store server (like gloo's)
+    plain.bind(("127.0.0.1", 0))
+    plain.listen()
+    try:
+        before = listening_sockets()
+        assert user_rendezvous.hold_iteration_servers() == 1
+        assert sorted(listening_sockets().values()) == sorted(before.values())  # no new listener
+        user.set("key", "value")
+        del user  # the function's store is gone, its server is not
+        client = dist.TCPStore("127.0.0.1", port, is_master=False,
+                               timeout=datetime.timedelta(seconds=5))
+        assert client.get("key") == b"value"
+        del client
+    finally:
+        user_rendezvous.release_held_servers()
+        plain.close()
+    assert port not in listening_sockets().values()
