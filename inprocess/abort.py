@@ -34,9 +34,11 @@ class AbortTorchDistributed(Abort):
       :mod:`inprocess.gloo_abort`), which releases blocked collectives at once.
     * NCCL: the backend's ``abort()`` (``_shutdown()`` on older torch) stops
       pending kernels and communicators.
-    * A group still initializing (blocked reading a peer's address from the
-      store): this iteration's ``env://`` rendezvous connections are shut down
-      (see :mod:`inprocess.user_rendezvous`).
+    * Anything else of this iteration blocked on the network (a group still
+      initializing, reading a peer's address from the store; a ``TCPStore``
+      the function built, waiting for its workers or for a key): the
+      client-side connections the function opened in this iteration are shut
+      down (see :mod:`inprocess.user_rendezvous`).
 
     Then ``destroy_process_group()`` frees the groups so that the next iteration
     can initialize new ones, and the group counter that names default groups is
@@ -53,7 +55,7 @@ class AbortTorchDistributed(Abort):
         import torch.distributed as dist
 
         from .gloo_abort import release_blocked_collectives
-        from .user_rendezvous import release_rendezvous_connections
+        from .user_rendezvous import hold_iteration_servers, release_iteration_connections
 
         # Order matters: the gloo release reads the peers' addresses through the
         # group's store connection, which the rendezvous release then breaks.
@@ -66,9 +68,15 @@ class AbortTorchDistributed(Abort):
                     log.exception("releasing gloo collectives failed")
                 _abort_nccl()
             try:
-                release_rendezvous_connections()
+                # First keep the function's store servers up: releasing a
+                # TCPStore master blocked in its constructor takes its server down.
+                hold_iteration_servers()
             except Exception:
-                log.exception("releasing rendezvous connections failed")
+                log.exception("holding the store servers of the iteration failed")
+            try:
+                release_iteration_connections()
+            except Exception:
+                log.exception("releasing the connections of the iteration failed")
             if initialized:
                 try:
                     dist.destroy_process_group()

@@ -94,6 +94,23 @@ def tcp_connections(inodes: dict[int, int] | None = None) -> list[TcpConnection]
     return found
 
 
+def listening_sockets(inodes: dict[int, int] | None = None) -> dict[int, int]:
+    """Map inode -> local port of this process's listening TCP sockets."""
+    ports = {}
+    for inode, fd in (inodes if inodes is not None else socket_inodes()).items():
+        with _verified(inode, fd) as sock:
+            if sock is None or sock.type != socket.SOCK_STREAM:
+                continue
+            if sock.family not in (socket.AF_INET, socket.AF_INET6):
+                continue
+            try:
+                if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                    ports[inode] = sock.getsockname()[1]
+            except OSError:
+                continue
+    return ports
+
+
 def shutdown_connections(connections: list[TcpConnection]) -> int:
     """``shutdown(SHUT_RDWR)`` each connection still open; returns how many."""
     inodes = socket_inodes()

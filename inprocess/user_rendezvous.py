@@ -14,48 +14,190 @@ convention) instead of rank 0 hosting another one.
 
 Process group initialization blocks in store reads (in C++, not
 interruptible) until every peer has published its address, and a peer that
-failed before initializing never will. So the sockets this process has when
-the function starts are recorded, and :func:`release_rendezvous_connections`
-(run by ``AbortTorchDistributed``) shuts down the connections to the store at
-``MASTER_PORT`` opened since: the rendezvous connections of this iteration and
-gloo's clones of them; the Wrapper's own connection is older and untouched.
+failed before initializing never will. The same holds for whatever store the
+function builds itself: a ``TCPStore`` master waiting for its workers
+(``wait_for_workers``), a client reading a key that a failed peer will never
+write. So the sockets this process has when the function starts are recorded,
+and :func:`release_iteration_connections` (run by ``AbortTorchDistributed``)
+shuts down every TCP connection this process opened since, on the client
+side: the ``env://`` rendezvous connections, the user's own store clients,
+gloo's clones of them and pairs of a group still connecting. The blocked call
+fails at once ("Connection reset", "Broken pipe"). Connections opened before the
+function started (the Wrapper's own store client, anything the application
+opened before calling the wrapped function) and the server side of connections
+to this process's listeners (a store it hosts; gloo's listener) are never
+touched. A connection the function opens in an iteration that fails is that
+iteration's: open one that must survive restarts before calling the wrapped
+function.
 (A Python store wrapper that polls cannot be used instead: torch 2.13's gloo
 clones its store, and a ``PrefixStore`` over a Python store cannot be cloned.)
 
 Scripts that build their own store and pass ``store=`` to
-``init_process_group`` are not affected; their initialization is bounded by the
-timeout they pass.
+``init_process_group`` (the usage guide's pattern: a ``TCPStore`` on
+``MASTER_PORT + 1`` hosted by rank 0, built again in every call) meet the same
+stale-key problem in their own store: rank 0's store server may outlive the
+iteration (torch shares one server per port between ``multi_tenant`` stores of
+a process, and the failed iteration's traceback keeps the old store alive), so
+iteration 2's group would read iteration 1's gloo addresses, connect to
+listeners that are gone or to the wrong peer, and block in C++ for the gloo
+timeout. Gloo's keys are prefixed with the process group's name, which torch
+draws from a counter; so every iteration starts the counter at its own offset
+(``iteration * GROUP_NAME_STRIDE``), which every rank agrees on: the default
+group of iteration ``i`` is named ``str(i * GROUP_NAME_STRIDE)``, and its keys
+are fresh in any store, whoever hosts it and however long it lives.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
+import functools
 import importlib
 import logging
 import os
+import threading
 from collections.abc import Iterator
 from typing import Any
 
-from .sockets import shutdown_connections, socket_inodes, tcp_connections
+from .sockets import listening_sockets, shutdown_connections, socket_inodes, tcp_connections
 from .store import AGENT_STORE_ENV, PrefixStore, TCPStore
 
 log = logging.getLogger(__name__)
 
 
+#: distance between the process group counters of consecutive iterations
+GROUP_NAME_STRIDE = 100_000
+
 #: socket inodes of this process when the current call of the function began
 _baseline: set[int] | None = None
 
+#: store servers of the function that this process keeps up between iterations
+#: (see hold_iteration_servers); the lock orders the monitor thread's abort
+#: and the main thread's.
+_held_servers: list[Any] = []
+_held_lock = threading.Lock()
 
-def release_rendezvous_connections() -> int:
-    """Shuts down the connections to the store at ``MASTER_PORT`` opened in this iteration."""
-    baseline, port = _baseline, os.environ.get("MASTER_PORT")
-    if baseline is None or port is None:
+
+def hold_iteration_servers() -> int:
+    """Keeps the ``multi_tenant`` TCPStore servers the function started up; returns how many.
+
+    The usage guide's function builds ``TCPStore(..., is_master=(rank == 0),
+    multi_tenant=True, wait_for_workers=True)`` on every call. The server lives
+    in rank 0's process only as long as a store object refers to it; when the
+    iteration is aborted while rank 0 waits for its workers, the constructor
+    fails and takes the server down. Peers that connect meanwhile meet a refused
+    connection, and torch's client then retries with back-off delays of
+    seconds, up to the store's timeout, blocked in C++ where no abort reaches
+    it: the next iteration cannot start until it gives up.
+
+    So the abort takes a reference to every such server first: a second
+    ``multi_tenant`` master store on the same port in this process shares the
+    running server (torch keeps one per port), so the server stays up, and the
+    next iteration's store shares it again. At most the servers of the latest
+    aborted iteration are kept, until the call ends
+    (:func:`release_held_servers`). A listener this process opened in the
+    iteration that is not a shareable store server (gloo's, a store without
+    ``multi_tenant``) makes the attempt fail on its busy port, and it is
+    skipped; if the server went away in between, the store we would have
+    started instead is closed at once, so a port is never taken from the user.
+    """
+    baseline = _baseline
+    if baseline is None:
         return 0
-    fresh = {inode: fd for inode, fd in socket_inodes().items() if inode not in baseline}
+    import torch.distributed as dist
+
+    listening = listening_sockets()
+    fresh = {inode: port for inode, port in listening.items() if inode not in baseline}
+    held = []
+    for inode, port in fresh.items():
+        try:
+            store = dist.TCPStore(
+                "127.0.0.1",
+                port,
+                is_master=True,
+                multi_tenant=True,
+                wait_for_workers=False,
+                timeout=datetime.timedelta(seconds=1),
+            )
+        except Exception as ex:  # not a shareable store server
+            log.debug("port %d is not a shared store server: %s", port, ex)
+            continue
+        now = listening_sockets()
+        if inode not in now or any(p == port and i not in listening for i, p in now.items()):
+            del store  # we started a server of our own: not the user's
+            continue
+        held.append(store)
+    with _held_lock:
+        _held_servers[:] = held  # the new references first: no gap for a shared server
+    log.debug("holding %d store servers of the function", len(held))
+    return len(held)
+
+
+def release_held_servers() -> None:
+    """Drops the store servers kept by :func:`hold_iteration_servers` and the
+    groups kept by :func:`_keep_destroyed_groups` (at the end of a call)."""
+    with _held_lock:
+        _held_servers.clear()
+    _destroyed_groups.clear()
+
+
+#: process groups the function destroyed, kept until the next iteration starts
+_destroyed_groups: list[Any] = []
+
+
+@contextlib.contextmanager
+def _keep_destroyed_groups() -> Iterator[None]:
+    """Keeps a Python reference to every group the function destroys.
+
+    Works around a deadlock in torch 2.13 (seen in the usage guide's pattern,
+    with or without the Wrapper): a function ending with ``barrier()`` and
+    ``destroy_process_group()`` leaves its DDP model's reducer as the last owner
+    of the gloo group; when the function returns, the reducer is freed with the
+    GIL held and joins the group's worker thread, which is freeing the barrier's
+    work and needs the GIL for that: the rank hangs for good. Held here, the
+    group is freed later from Python, which releases the GIL while it joins.
+    The previous iteration's groups are dropped when the next one starts.
+    """
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    _destroyed_groups.clear()
+    original = c10d.destroy_process_group
+
+    @functools.wraps(original)
+    def destroy_process_group(group: Any = None) -> None:
+        _destroyed_groups.extend(list(c10d._world.pg_map) if group is None else [group])
+        original(group)
+
+    patched = [(module, "destroy_process_group") for module in (dist, c10d)]
+    saved = [getattr(module, name) for module, name in patched]
+    for module, name in patched:
+        setattr(module, name, destroy_process_group)
+    try:
+        yield
+    finally:
+        for (module, name), value in zip(patched, saved, strict=True):
+            if getattr(module, name) is destroy_process_group:
+                setattr(module, name, value)
+
+
+def release_iteration_connections() -> int:
+    """Shuts down the client-side TCP connections opened since the function started.
+
+    Returns how many. Does nothing outside the wrapped function.
+    """
+    baseline = _baseline
+    if baseline is None:
+        return 0
+    inodes = socket_inodes()
+    fresh = {inode: fd for inode, fd in inodes.items() if inode not in baseline}
+    # The server side of a connection has a listener's port as its local port;
+    # the peer that opened it releases its own side.
+    served = set(listening_sockets(inodes).values())
     released = shutdown_connections(
-        [conn for conn in tcp_connections(fresh) if conn.remote[2] == int(port)]
+        [conn for conn in tcp_connections(fresh) if conn.local[2] not in served]
     )
-    log.debug("shut down %d rendezvous connections", released)
+    log.debug("shut down %d connections opened in this iteration", released)
     return released
 
 
@@ -65,6 +207,16 @@ def _serves_master_address(raw: Any) -> bool:
     return raw.host_name == os.environ.get("MASTER_ADDR") and str(raw.port) == os.environ.get(
         "MASTER_PORT"
     )
+
+
+def _start_group_names(iteration: int) -> None:
+    """Process groups created in ``iteration`` get names (and store keys) of their own."""
+    import torch.distributed as dist
+
+    if dist.is_available() and not dist.is_initialized():
+        from torch.distributed import distributed_c10d as c10d
+
+        c10d._world.group_count = iteration * GROUP_NAME_STRIDE
 
 
 @contextlib.contextmanager
@@ -93,9 +245,11 @@ def fresh_env_rendezvous(store: PrefixStore, iteration: int) -> Iterator[None]:
     if _serves_master_address(store.base_store):
         os.environ[AGENT_STORE_ENV] = str(True)
     handlers["env"] = handler
+    _start_group_names(iteration)
     _baseline = set(socket_inodes())
     try:
-        yield
+        with _keep_destroyed_groups():
+            yield
     finally:
         _baseline = None
         if handlers.get("env") is handler:

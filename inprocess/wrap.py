@@ -68,7 +68,7 @@ from .store import (
     job_namespace,
     new_identity,
 )
-from .user_rendezvous import fresh_env_rendezvous
+from .user_rendezvous import fresh_env_rendezvous, release_held_servers
 
 log = logging.getLogger(__name__)
 
@@ -524,6 +524,7 @@ class CallWrapper:
         self.namespace = f"inprocess/{job_namespace()}/call{next(_call_counter)}"
         raw = self._open_store(seconds["barrier_timeout"])
         cleanup.callback(self._release_store)
+        cleanup.callback(release_held_servers)
         cleanup.callback(self._wait_for_exit_if_hosting, raw)
         self.store = PrefixStore(self.namespace, raw)
         # Tells a job controller that this role recovers in-process (role level).
