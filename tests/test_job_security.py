@@ -152,8 +152,7 @@ def test_launcher_death_ends_the_job(tmp_path, how):
 @SLOW
 @pytest.mark.timeout(240)
 def test_two_jobs_with_one_id(tmp_path):
-    with Launch(tmp_path / "a", script_args=["--steps", "120", "--step-time", "0.03"]) as a:
-        (tmp_path / "b").mkdir()
+    with Launch(tmp_path, script_args=["--steps", "120", "--step-time", "0.03"]) as a:
         # A process that is not of this run but carries the same job id (an earlier
         # run's leftover, another user's look-alike): cleanup must not touch it.
         bystander = subprocess.Popen(
@@ -163,7 +162,7 @@ def test_two_jobs_with_one_id(tmp_path):
         try:
             a.wait_until(lambda: a.running_at_step(5), what="training")
             second = subprocess.run(
-                [*RUN, "--job-id", a.job_id, "--state-dir", str(tmp_path / "b" / "s"), str(TRAIN)],
+                [*RUN, "--job-id", a.job_id, "--state-dir", str(tmp_path / "second"), str(TRAIN)],
                 env=ENV,
                 capture_output=True,
                 text=True,
@@ -187,7 +186,7 @@ def test_two_jobs_with_one_id(tmp_path):
 @SLOW
 @pytest.mark.timeout(240)
 def test_controller_restart_limit_counts_crashes_in_a_row(tmp_path):
-    from inprocess.failover.supervisor import CONTROLLER_STABLE_SECONDS, MAX_CONTROLLER_RESTARTS
+    from inprocess.failover.supervisor import CONTROLLER_STABLE_SECONDS
 
     pid_file = tmp_path / "state" / "controller.pid"
 
@@ -197,27 +196,30 @@ def test_controller_restart_limit_counts_crashes_in_a_row(tmp_path):
         except (OSError, ValueError):
             return 0
 
-    def kill_next(previous: int) -> int:
+    def kill_next(previous: int, after: float = 0.0) -> int:
         launch.wait_until(lambda: controller() not in (0, previous), what="a new controller")
+        time.sleep(after)
         pid = controller()
         os.kill(pid, signal.SIGKILL)
         return pid
 
-    with Launch(tmp_path, script_args=["--steps", "100000", "--step-time", "0.03"]) as launch:
+    with Launch(
+        tmp_path,
+        "--max-controller-restarts",
+        "2",
+        script_args=["--steps", "100000", "--step-time", "0.03"],
+    ) as launch:
         launch.wait_until(lambda: launch.running_at_step(5), what="training")
         pid = kill_next(0)
-        pid = kill_next(pid)
-        time.sleep(CONTROLLER_STABLE_SECONDS + 1)  # the new controller is stable
-        pid = kill_next(pid)
-        launch.wait_until(lambda: launch.output().count("(1/10)") == 2, what="count reset")
-        for _ in range(MAX_CONTROLLER_RESTARTS):
+        pid = kill_next(pid, after=CONTROLLER_STABLE_SECONDS + 1)  # this one was stable
+        launch.wait_until(lambda: launch.output().count("(1/2)") == 2, what="count reset")
+        for _ in range(2):  # (2/2), then (3/2): over the limit
             pid = kill_next(pid)
         code = launch.finish(timeout=60)
         assert code == 1, launch.output()
         state = launch.state()
         assert state["stage"] == "STOPPED" and "in a row" in state["reason"], state["reason"]
         check_after_run(launch)
-        assert not (tmp_path / "state" / "exits").exists()  # exit records removed
 
 
 @SLOW
@@ -229,10 +231,16 @@ def test_planted_symlinks_are_not_followed(tmp_path):
     victim.write_text("precious\n")
     for name in ("controller.pid", "controller.tmp", "controller.pid.tmp"):
         (state_dir / name).symlink_to(victim)
-    with Launch(tmp_path, script_args=["--steps", "5"]) as launch:
+    with Launch(tmp_path, script_args=["--steps", "100", "--step-time", "0.05"]) as launch:
+        launch.wait_until(lambda: launch.running_at_step(5), what="training")
+        first = int((state_dir / "controller.pid").read_text())
+        os.kill(first, signal.SIGKILL)  # the next one writes the pid file again
         assert launch.finish() == 0, launch.output()
+        assert int((state_dir / "controller.pid").read_text()) != first
         assert victim.read_text() == "precious\n"
         assert not (state_dir / "controller.pid").is_symlink()
+        # the orphaned store server's exit record (and any other) is gone with the job
+        assert not (state_dir / "exits").exists()
 
 
 def _run_cli(*args: str) -> tuple[int, str]:

@@ -25,7 +25,13 @@ from ..security import JOB_SECRET_ENV
 from . import policy
 from .spec import JobSpec, SpecError
 from .state import StateError, StateStore
-from .supervisor import RUN_TOKEN_ENV, Supervisor, check_private_dir
+from .supervisor import (
+    CONTROLLER_STABLE_SECONDS,
+    MAX_CONTROLLER_RESTARTS,
+    RUN_TOKEN_ENV,
+    Supervisor,
+    check_private_dir,
+)
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +68,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--node-max-relaunches", type=int, default=1, help="node relaunches allowed (default 1)"
     )
+    p.add_argument(
+        "--max-controller-restarts",
+        type=int,
+        default=MAX_CONTROLLER_RESTARTS,
+        help="crashes of the controller in a row (each within "
+        f"{CONTROLLER_STABLE_SECONDS:g}s of its start) before the job is given up "
+        f"(default {MAX_CONTROLLER_RESTARTS})",
+    )
     p.add_argument("--state-dir", type=Path, help="where the controller keeps its state")
     p.add_argument("--job-id", default=None, help="the job's id (default: generated)")
     p.add_argument("--master-addr", default="127.0.0.1", help="address of the job's store")
@@ -83,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
             f"got {args.log_level!r}"
         )
     args.log_level = logging.getLevelName(level)
+    if args.max_controller_restarts < 0:
+        return _error(f"--max-controller-restarts must be >= 0, got {args.max_controller_restarts}")
     job_id = args.job_id or _default_job_id()
     state_dir = (args.state_dir or Path("inprocess-runs") / job_id).absolute()
     script = Path(args.script)
@@ -129,7 +145,12 @@ def main(argv: list[str] | None = None) -> int:
     if not os.environ.get(JOB_SECRET_ENV):
         os.environ[JOB_SECRET_ENV] = secrets.token_hex(32)
     try:
-        return Supervisor(state_dir, ["--log-level", args.log_level], run_token).run()
+        return Supervisor(
+            state_dir,
+            ["--log-level", args.log_level],
+            run_token,
+            max_controller_restarts=args.max_controller_restarts,
+        ).run()
     finally:
         os.close(lock)
 

@@ -167,8 +167,15 @@ class Supervisor:
     * cleanup only touches processes carrying this run's token.
     """
 
-    def __init__(self, state_dir: Path, controller_args: list[str], run_token: str) -> None:
+    def __init__(
+        self,
+        state_dir: Path,
+        controller_args: list[str],
+        run_token: str,
+        max_controller_restarts: int = MAX_CONTROLLER_RESTARTS,
+    ) -> None:
         self.state_dir = state_dir
+        self.max_controller_restarts = max_controller_restarts
         self.controller_args = controller_args
         self.run_token = run_token
         self.states = StateStore(state_dir)
@@ -205,9 +212,9 @@ class Supervisor:
                     _describe(status),
                     state.stage.value,
                     restarts,
-                    MAX_CONTROLLER_RESTARTS,
+                    self.max_controller_restarts,
                 )
-                if restarts > MAX_CONTROLLER_RESTARTS:
+                if restarts > self.max_controller_restarts:
                     reason = (
                         f"the controller died {restarts} times in a row (each within "
                         f"{CONTROLLER_STABLE_SECONDS:.3g}s of its start): giving up the job"
