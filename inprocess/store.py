@@ -455,8 +455,20 @@ def _bound_listener(host_name: str, port: int) -> dict[str, int]:
     handing it a socket we bound (``master_listen_fd``, which it owns from
     then on) keeps it on the configured address.
     """
+    if port and _listening_here(port):
+        return {}  # torch's multi-tenant server of this process: it is reused as it is
     fd = listen_fd(host_name, port)
     return {"port": bound_port(fd), "master_listen_fd": fd}
+
+
+def _listening_here(port: int) -> bool:
+    """Whether this process already listens on ``port`` (a store server we host)."""
+    import psutil
+
+    return any(
+        c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
+        for c in psutil.Process().net_connections(kind="tcp")
+    )
 
 
 class TCPStore(dist.TCPStore, StoreMixin):
