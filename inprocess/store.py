@@ -46,12 +46,14 @@ import os
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from errno import EADDRINUSE
 from typing import Any
 
 import torch.distributed as dist
 
 from .exception import StoreError
 from .exception import TimeoutError as RestartTimeoutError
+from .security import bound_port, keyed_namespace, listen_fd
 
 log = logging.getLogger(__name__)
 
@@ -85,15 +87,18 @@ def job_namespace() -> str:
 
     ``inprocess-run`` sets ``INPROCESS_STORE_NAMESPACE``; under torchrun each
     restart attempt gets its own (its run id and restart count), so a restarted
-    attempt never reads the keys of the previous one.
+    attempt never reads the keys of the previous one. With a job secret
+    (``INPROCESS_JOB_SECRET``) the namespace ends with a tag derived from it, so
+    a store client without the secret cannot name any key of the job.
     """
     explicit = os.environ.get(NAMESPACE_ENV)
     if explicit:
-        return explicit
+        return explicit  # inprocess-run's, keyed with the job's secret already
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
     if run_id:
-        return f"torchelastic/{run_id}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-    return "default"
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        return keyed_namespace(f"torchelastic/{run_id}/{restart}")
+    return keyed_namespace("default")
 
 
 def incarnation_from_env() -> int:
@@ -492,6 +497,29 @@ def externally_hosted(host_name: str, port: int) -> bool:
     return host_name == _env("MASTER_ADDR") and str(port) == _env("MASTER_PORT")
 
 
+def _bound_listener(host_name: str, port: int) -> dict[str, int]:
+    """The server's listening socket, bound to ``host_name`` only (issue 9).
+
+    torch's own server listens on every interface whatever ``host_name`` says;
+    handing it a socket we bound (``master_listen_fd``, which it owns from
+    then on) keeps it on the configured address.
+    """
+    if port and _listening_here(port):
+        return {}  # torch's multi-tenant server of this process: it is reused as it is
+    fd = listen_fd(host_name, port)
+    return {"port": bound_port(fd), "master_listen_fd": fd}
+
+
+def _listening_here(port: int) -> bool:
+    """Whether this process already listens on ``port`` (a store server we host)."""
+    import psutil
+
+    return any(
+        c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
+        for c in psutil.Process().net_connections(kind="tcp")
+    )
+
+
 class TCPStore(dist.TCPStore, StoreMixin):
     """``torch.distributed.TCPStore`` with the Wrapper protocol.
 
@@ -530,18 +558,20 @@ class TCPStore(dist.TCPStore, StoreMixin):
                 and int(os.environ.get("RANK", "0")) == 0
             )
         try:
+            listen = _bound_listener(host_name, int(port)) if is_master else {}
             super().__init__(
                 host_name=host_name,
-                port=int(port),
+                port=int(listen.get("port", port)),
                 world_size=world_size,
                 is_master=is_master,
                 timeout=timeout,
                 wait_for_workers=wait_for_workers,
                 multi_tenant=multi_tenant,
                 use_libuv=use_libuv,
+                **{k: v for k, v in listen.items() if k != "port"},
             )
-        except RuntimeError as ex:
-            if is_master and "EADDRINUSE" in str(ex):
+        except (RuntimeError, OSError) as ex:
+            if is_master and ("EADDRINUSE" in str(ex) or getattr(ex, "errno", 0) == EADDRINUSE):
                 raise StoreError(
                     f"cannot host the store on port {port}: the port is already in use by "
                     "another process; choose a free MASTER_PORT (or store_kwargs['port'])"

@@ -128,6 +128,45 @@ def _check_type(name: str, value: Any, types_: tuple[type, ...] | type, allowed:
         raise TypeError(f"Wrapper({name}=...) must be {allowed}, got {value!r}")
 
 
+#: longest duration any timeout or interval may have: longer ones are mistakes
+#: (and overflow the waits of threads and of the store)
+MAX_DURATION = datetime.timedelta(days=30)
+
+
+def _check_store_kwargs(factory: type, kwargs: dict[str, Any]) -> None:
+    """Fails at construction what would fail only when the store is built (issue 9)."""
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: torch checks
+        params = None
+    if params is not None and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        allowed = [
+            n for n, p in params.items() if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+        unknown = sorted(k for k in kwargs if k not in allowed)
+        if unknown:
+            raise TypeError(
+                f"Wrapper(store_kwargs=...) has unknown key(s) {', '.join(map(repr, unknown))} "
+                f"for {factory.__name__}; allowed: {', '.join(allowed)}"
+            )
+    if "port" in kwargs and kwargs["port"] is not None:
+        port = kwargs["port"]
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ValueError(
+                "Wrapper(store_kwargs=...): 'port' must be an int in [0, 65535] "
+                f"(0: any free port), got {port!r}"
+            )
+    if "timeout" in kwargs:
+        timeout = kwargs["timeout"]
+        if isinstance(timeout, datetime.timedelta) and not (
+            datetime.timedelta(0) < timeout <= MAX_DURATION
+        ):
+            raise ValueError(
+                "Wrapper(store_kwargs=...): 'timeout' must be a datetime.timedelta in "
+                f"(0, {MAX_DURATION.days} days], got {timeout!r}"
+            )
+
+
 class Wrapper:
     """Restarts the wrapped function in-process on every healthy rank after a fault.
 
@@ -221,6 +260,7 @@ class Wrapper:
                 "Wrapper(store_kwargs=...) must have str keys (argument names), "
                 f"got {store_kwargs!r}"
             )
+        _check_store_kwargs(store_factory, store_kwargs)
         _check_type("initialize", initialize, (Initialize, type(None)), "an Initialize or None")
         _check_type("abort", abort, (Abort, type(None)), "an Abort or None")
         _check_type("finalize", finalize, (Finalize, type(None)), "a Finalize or None")
@@ -249,6 +289,10 @@ class Wrapper:
             if value.total_seconds() < 0 or (not may_be_zero and value.total_seconds() == 0):
                 bound = ">= 0" if may_be_zero else "> 0"
                 raise ValueError(f"Wrapper({name}=...) must be {bound}, got {value}")
+            if value > MAX_DURATION:
+                raise ValueError(
+                    f"Wrapper({name}=...) must be at most {MAX_DURATION.days} days, got {value}"
+                )
 
         def require_less(a: str, b: str) -> None:
             if not durations[a] < durations[b]:

@@ -11,17 +11,27 @@ unchanged. The exit code is 0 only when every worker finished successfully.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import logging
 import os
 import secrets
 import sys
+import tempfile
 import time
 from pathlib import Path
 
+from ..security import JOB_SECRET_ENV
 from . import policy
 from .spec import JobSpec, SpecError
 from .state import StateError, StateStore
-from .supervisor import Supervisor
+from .supervisor import (
+    CONTROLLER_STABLE_SECONDS,
+    MAX_CONTROLLER_RESTARTS,
+    RUN_TOKEN_ENV,
+    Supervisor,
+    check_private_dir,
+)
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +68,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--node-max-relaunches", type=int, default=1, help="node relaunches allowed (default 1)"
     )
+    p.add_argument(
+        "--max-controller-restarts",
+        type=int,
+        default=MAX_CONTROLLER_RESTARTS,
+        help="crashes of the controller in a row (each within "
+        f"{CONTROLLER_STABLE_SECONDS:g}s of its start) before the job is given up "
+        f"(default {MAX_CONTROLLER_RESTARTS})",
+    )
     p.add_argument("--state-dir", type=Path, help="where the controller keeps its state")
     p.add_argument("--job-id", default=None, help="the job's id (default: generated)")
     p.add_argument("--master-addr", default="127.0.0.1", help="address of the job's store")
@@ -72,15 +90,20 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level, format="%(asctime)s inprocess-run %(levelname)s %(message)s"
-    )
+    level = logging.getLevelName(str(args.log_level).upper())
+    if not isinstance(level, int):
+        return _error(
+            f"--log-level must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL, "
+            f"got {args.log_level!r}"
+        )
+    args.log_level = logging.getLevelName(level)
+    if args.max_controller_restarts < 0:
+        return _error(f"--max-controller-restarts must be >= 0, got {args.max_controller_restarts}")
     job_id = args.job_id or _default_job_id()
     state_dir = (args.state_dir or Path("inprocess-runs") / job_id).absolute()
     script = Path(args.script)
     if not script.is_file():
-        print(f"inprocess-run: error: SCRIPT {args.script!r} is not a file", file=sys.stderr)
-        return 2
+        return _error(f"SCRIPT {args.script!r} is not a file")
     try:
         spec = JobSpec(
             job_id=job_id,
@@ -97,18 +120,94 @@ def main(argv: list[str] | None = None) -> int:
             monitor_interval=args.monitor_interval,
         )
     except SpecError as ex:
-        print(f"inprocess-run: error: {_flag_names(str(ex))}", file=sys.stderr)
-        return 2
-    state_dir.mkdir(parents=True, exist_ok=True)
+        return _error(_flag_names(str(ex)))
+    lock = None
     try:
+        lock = lock_job_id(job_id)  # held (open) as long as this process lives
+        _prepare_state_dir(state_dir)
         StateStore(state_dir).create(policy.new_job_state(spec, now=time.time()))
-    except StateError as ex:
-        print(f"inprocess-run: error: {ex}", file=sys.stderr)
-        return 2
+    except (StateError, OSError) as ex:
+        if lock is not None:
+            os.close(lock)
+        if isinstance(ex, StateError):
+            return _error(str(ex))
+        return _error(f"--state-dir {state_dir}: {ex.strerror or ex}")
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s inprocess-run %(levelname)s %(message)s"
+    )
     log.info("job %s: state in %s", job_id, state_dir)
-    # Every process of the job inherits this: nothing of it is left behind at the end.
+    # Every process of the job inherits these: the job id (what the user sees),
+    # this run's token (what cleanup goes by: a reused job id never matches it)
+    # and the job's store secret (a user-given INPROCESS_JOB_SECRET is kept).
+    run_token = secrets.token_hex(16)
     os.environ["INPROCESS_JOB_ID"] = job_id
-    return Supervisor(state_dir, ["--log-level", args.log_level]).run()
+    os.environ[RUN_TOKEN_ENV] = run_token
+    if not os.environ.get(JOB_SECRET_ENV):
+        os.environ[JOB_SECRET_ENV] = secrets.token_hex(32)
+    try:
+        return Supervisor(
+            state_dir,
+            ["--log-level", args.log_level],
+            run_token,
+            max_controller_restarts=args.max_controller_restarts,
+        ).run()
+    finally:
+        os.close(lock)
+
+
+def _error(message: str) -> int:
+    print(f"inprocess-run: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _prepare_state_dir(state_dir: Path) -> None:
+    """Creates the state dir (mode 0700) or checks an existing one is ours and private."""
+    if state_dir.exists() and not state_dir.is_dir():
+        raise StateError(f"--state-dir {state_dir} is not a directory")
+    state_dir.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        state_dir.mkdir(mode=0o700)
+    try:
+        check_private_dir(state_dir, "--state-dir")
+    except StateError as ex:
+        raise StateError(f"{ex}; the job's state and pid files must be private") from None
+
+
+def _lock_dir() -> Path:
+    """A private per-user directory for the job-id locks."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    base = Path(runtime) if runtime and os.path.isdir(runtime) else Path(tempfile.gettempdir())
+    directory = base / f"inprocess-{os.getuid()}"
+    with contextlib.suppress(FileExistsError):
+        directory.mkdir(mode=0o700)
+    check_private_dir(directory, "lock directory")
+    return directory
+
+
+def lock_job_id(job_id: str) -> int:
+    """Claims ``job_id`` for this process; returns the lock's fd (keep it open).
+
+    An exclusive ``flock`` on a per-user lock file: released by the kernel when
+    this process ends, however it ends, and atomic (two launches cannot both
+    win).
+
+    Raises:
+        StateError: a live job uses ``job_id`` (names its launcher's pid).
+    """
+    path = _lock_dir() / f"job-{job_id}.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise StateError(
+            f"--job-id {job_id!r} is already used by a live job (inprocess-run pid {holder}); "
+            "choose another id or wait for that job to end"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
 
 def _flag_names(message: str) -> str:

@@ -25,10 +25,12 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from ..security import keyed_namespace
 from . import policy
 from .backends import Backend, WorkerLaunch
 from .backends.local import LocalBackend, process_start_time, read_exit_record
@@ -50,10 +52,15 @@ from .store_server import StoreServer, start_store_server
 
 log = logging.getLogger(__name__)
 
-#: exit code of the controller when told to stop (SIGINT/SIGTERM)
+#: exit code of the controller when told to stop by Ctrl-C (other signals: 128 + signal)
 INTERRUPTED_EXIT_CODE = 130
 #: time a worker gets between SIGTERM and SIGKILL when stopped
 STOP_GRACE = 5.0
+
+
+def signal_exit_code(signum: int) -> int:
+    """The shell's convention: 128 + the signal that stopped the job (SIGINT: 130)."""
+    return 128 + int(signum)
 
 
 def controller_pid_path(state_dir: Path) -> Path:
@@ -65,8 +72,11 @@ def exits_dir(state_dir: Path) -> Path:
 
 
 def namespace(job_id: str, generation: int) -> str:
-    """Store namespace of a generation's Wrapper keys (``INPROCESS_STORE_NAMESPACE``)."""
-    return f"{job_id}/g{generation}"
+    """Store namespace of a generation's Wrapper keys (``INPROCESS_STORE_NAMESPACE``).
+
+    Keyed with the job's secret: a store client without it cannot name them.
+    """
+    return keyed_namespace(f"{job_id}/g{generation}")
 
 
 class Controller:
@@ -87,7 +97,7 @@ class Controller:
 
     def run(self, recovering: bool) -> int:
         _write_pid_file(controller_pid_path(self.state_dir))
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, self._on_signal)
         now = time.time()
         if recovering:
@@ -101,11 +111,10 @@ class Controller:
                 break
             if self._stop_signal is not None:
                 name = signal.Signals(self._stop_signal).name
-                self.apply(
-                    policy.request_stop(
-                        self.state, INTERRUPTED_EXIT_CODE, f"stopped by {name}", now=time.time()
-                    )
-                )
+                code, reason = signal_exit_code(self._stop_signal), f"stopped by {name}"
+                if _launcher_gone():  # our SIGTERM came from the kernel (PR_SET_PDEATHSIG)
+                    code, reason = policy.FAILURE_EXIT_CODE, "inprocess-run died: stopping the job"
+                self.apply(policy.request_stop(self.state, code, reason, now=time.time()))
                 continue
             for event in self.observe():
                 self.apply(policy.handle_event(self.state, event, now=time.time()))
@@ -360,9 +369,22 @@ class Controller:
 
 
 def _write_pid_file(path: Path) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(f"{os.getpid()}\n")
-    os.replace(tmp, path)
+    """Atomically, through a fresh temp file (mkstemp: O_EXCL, never a planted symlink)."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{os.getpid()}\n")
+        os.replace(tmp, path)  # replaces a symlink at ``path`` itself, never its target
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _launcher_gone() -> bool:
+    """Whether the supervisor that started us (``INPROCESS_SUPERVISOR_PID``) is gone."""
+    expected = os.environ.get("INPROCESS_SUPERVISOR_PID")
+    return bool(expected) and os.getppid() != int(expected)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -377,6 +399,14 @@ def main(argv: list[str] | None = None) -> int:
         level=args.log_level,
         format="%(asctime)s inprocess-run[controller] %(levelname)s %(message)s",
     )
+    # The launcher's death ends the job: the kernel tells us with SIGTERM (handled
+    # like any stop request). Set before anything else; if the launcher is
+    # already gone, the signal would never come: stop at once.
+    from .supervisor import die_with_parent
+
+    expected = os.environ.get("INPROCESS_SUPERVISOR_PID")
+    if not die_with_parent(signal.SIGTERM, int(expected) if expected else None):
+        os.kill(os.getpid(), signal.SIGTERM)
     controller = Controller(args.state_dir)
     with contextlib.suppress(BrokenPipeError):
         return controller.run(recovering=args.recover)

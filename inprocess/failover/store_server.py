@@ -9,7 +9,8 @@ a new one on a new port, so a plain ``env://`` script never reads the keys of
 an earlier generation.
 
 Run as ``python -m inprocess.failover.store_server HOST READY_FD``: binds a free
-port, writes it as text to ``READY_FD``, then serves until SIGTERM.
+port of ``HOST`` (that address only, see :mod:`inprocess.security`), writes it
+as text to ``READY_FD``, then serves until SIGTERM.
 """
 
 from __future__ import annotations
@@ -106,14 +107,19 @@ def main() -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the controller decides when to stop
     import torch.distributed as dist
 
+    from ..security import bound_port, listen_fd
+
+    # Bound to the job's address only: torch's own server would listen on all.
+    fd = listen_fd(host, 0)
     store = dist.TCPStore(
         host,
-        0,
+        bound_port(fd),
         None,
         True,
         timeout=datetime.timedelta(seconds=300),
         wait_for_workers=False,
         use_libuv=True,
+        master_listen_fd=fd,
     )
     with os.fdopen(ready_fd, "w") as ready:
         ready.write(f"{store.port}\n")

@@ -19,6 +19,7 @@ import ctypes
 import logging
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -26,21 +27,68 @@ from pathlib import Path
 
 import psutil
 
+from . import policy
 from .backends.local import write_exit_record
-from .controller import exits_dir
-from .state import Stage, StateStore
+from .controller import controller_pid_path, exits_dir, signal_exit_code
+from .state import Stage, StateError, StateStore
 
 log = logging.getLogger(__name__)
 
 _PR_SET_CHILD_SUBREAPER = 36
+_PR_SET_PDEATHSIG = 1
 #: a controller that keeps crashing this often in a row gives up the job
 MAX_CONTROLLER_RESTARTS = 10
+#: a controller that lived this long was stable: its crash starts a new count
+CONTROLLER_STABLE_SECONDS = 3.0
+#: environment variable naming this run of the job (one per ``inprocess-run``):
+#: with the pid and start time it tells our processes from any other's
+RUN_TOKEN_ENV = "INPROCESS_RUN_TOKEN"
+#: environment variable with the supervisor's pid (the controller's expected parent)
+SUPERVISOR_PID_ENV = "INPROCESS_SUPERVISOR_PID"
+#: how long the guard lets a controller stop the job in order after the launcher died
+GUARD_GRACE = 15.0
+
+
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def _become_subreaper() -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+    if _libc().prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
+
+
+def die_with_parent(sig: int, expected_parent: int | None) -> bool:
+    """Asks the kernel for ``sig`` when our parent dies (``PR_SET_PDEATHSIG``).
+
+    Returns False when the parent is already gone (not ``expected_parent``):
+    the signal would never come then.
+    """
+    if _libc().prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    return expected_parent is None or os.getppid() == expected_parent
+
+
+def check_private_dir(path: Path, what: str) -> None:
+    """Refuses a directory another user owns or may write to (ours to trust).
+
+    Raises:
+        StateError: naming ``what``, the path, the owner or the mode.
+    """
+    st = os.stat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise StateError(f"{what} {path} is not a directory")
+    if st.st_uid != os.getuid():
+        raise StateError(
+            f"{what} {path} is owned by uid {st.st_uid}, not by this user ({os.getuid()})"
+        )
+    if st.st_mode & 0o022:
+        raise StateError(
+            f"{what} {path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o}); "
+            "make it private (chmod go-w) or choose another"
+        )
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise StateError(f"{what} {path} is not writable")
 
 
 def processes_with_env(name: str, value: str) -> list[psutil.Process]:
@@ -64,19 +112,85 @@ def job_processes(job_id: str) -> list[psutil.Process]:
     return processes_with_env("INPROCESS_JOB_ID", job_id)
 
 
+def run_processes(token: str, exclude: tuple[int, ...] = ()) -> list[psutil.Process]:
+    """Live processes of this run of the job (``INPROCESS_RUN_TOKEN=<token>``).
+
+    A psutil handle also remembers the process's start time, so signalling it
+    later never hits an unrelated process that reused the pid.
+    """
+    return [p for p in processes_with_env(RUN_TOKEN_ENV, token) if p.pid not in exclude]
+
+
+def end_processes(procs: list[psutil.Process], grace: float) -> None:
+    """SIGTERM, then SIGKILL after ``grace`` seconds for those still alive."""
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            proc.terminate()
+    _, alive = psutil.wait_procs(procs, timeout=grace)
+    for proc in alive:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    psutil.wait_procs(alive, timeout=grace)
+
+
+def record_end(state_dir: Path, exit_code: int, reason: str) -> None:
+    """Records that the job ended (STOPPED, ``exit_code``, ``reason``) unless it already did.
+
+    For the ends the controller could not record itself: its own repeated
+    crashes, or the launcher's death. A stop the controller already decided
+    keeps its result.
+    """
+    states = StateStore(state_dir)
+    try:
+        state = states.load()
+        if state.stage is Stage.STOPPED:
+            return
+        now = time.time()
+        if state.stage is not Stage.STOPPING:
+            state = policy.request_stop(state, exit_code, reason, now=now).state
+        states.save(policy.stopped(state, now=now))
+    except (OSError, StateError) as ex:
+        log.error("cannot record the end of the job (%s) in %s: %s", reason, state_dir, ex)
+
+
 class Supervisor:
-    def __init__(self, state_dir: Path, controller_args: list[str]) -> None:
+    """The ``inprocess-run`` process: restarts a crashed controller, ends the job with it.
+
+    Invariants:
+
+    * the guard (:mod:`inprocess.failover.guard`) starts before any other
+      process of the job and holds the only read end of the lifeline pipe; its
+      write end lives only here (not inheritable), so whatever ends this process
+      closes it and the guard ends the job;
+    * the controller gets SIGTERM from the kernel when this process dies
+      (``PR_SET_PDEATHSIG``) and stops the job in order;
+    * cleanup only touches processes carrying this run's token.
+    """
+
+    def __init__(
+        self,
+        state_dir: Path,
+        controller_args: list[str],
+        run_token: str,
+        max_controller_restarts: int = MAX_CONTROLLER_RESTARTS,
+    ) -> None:
         self.state_dir = state_dir
+        self.max_controller_restarts = max_controller_restarts
         self.controller_args = controller_args
+        self.run_token = run_token
         self.states = StateStore(state_dir)
         self.controller: subprocess.Popen[bytes] | None = None
+        self.guard: subprocess.Popen[bytes] | None = None
+        self._lifeline: int | None = None
         self._signal: int | None = None
+        self._cleaned = False
 
     def run(self) -> int:
         _become_subreaper()
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, self._forward)
-        job_id = self.states.load().job_id
+        os.environ[SUPERVISOR_PID_ENV] = str(os.getpid())
+        self._start_guard()
         restarts = 0
         try:
             while True:
@@ -84,19 +198,81 @@ class Supervisor:
                 state = self.states.load()
                 if state.stage is Stage.STOPPED:
                     return state.exit_code if state.exit_code is not None else 1
+                if self._signal is not None:  # e.g. SIGTERM to our whole group
+                    name = signal.Signals(self._signal).name
+                    code = signal_exit_code(self._signal)
+                    self._clean_up()
+                    record_end(self.state_dir, code, f"stopped by {name}")
+                    return code
+                if self._controller_uptime() >= CONTROLLER_STABLE_SECONDS:
+                    restarts = 0  # the limit counts crashes in a row
                 restarts += 1
                 log.error(
                     "the controller died (%s) while the job was %s; starting a new one (%d/%d)",
                     _describe(status),
                     state.stage.value,
                     restarts,
-                    MAX_CONTROLLER_RESTARTS,
+                    self.max_controller_restarts,
                 )
-                if restarts > MAX_CONTROLLER_RESTARTS:
-                    log.error("the controller keeps dying: giving up the job")
-                    return 1
+                if restarts > self.max_controller_restarts:
+                    reason = (
+                        f"the controller died {restarts} times in a row (each within "
+                        f"{CONTROLLER_STABLE_SECONDS:.3g}s of its start): giving up the job"
+                    )
+                    log.error("%s", reason)
+                    self._clean_up()
+                    record_end(self.state_dir, policy.FAILURE_EXIT_CODE, reason)
+                    return policy.FAILURE_EXIT_CODE
         finally:
-            self._clean_up(job_id)
+            self._clean_up()
+            self._stop_guard()
+
+    def _controller_uptime(self) -> float:
+        """How long the dead controller ran after its start-up (0 if it never got there).
+
+        Measured from its pid file, written once its imports are done, so a slow
+        start on a loaded machine does not pass for a stable controller.
+        """
+        assert self.controller is not None
+        path = controller_pid_path(self.state_dir)
+        try:
+            if int(path.read_text()) != self.controller.pid:
+                return 0.0
+            return max(0.0, time.time() - path.stat().st_mtime)
+        except (OSError, ValueError):
+            return 0.0
+
+    def _start_guard(self) -> None:
+        read, self._lifeline = os.pipe()  # both not inheritable
+        try:
+            self.guard = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "inprocess.failover.guard",
+                    str(self.state_dir),
+                    self.run_token,
+                    str(os.getpid()),
+                ],
+                stdin=read,
+                start_new_session=True,  # signals to our process group do not reach it
+            )
+        finally:
+            os.close(read)
+
+    def _stop_guard(self) -> None:
+        """The job ended here: the guard has nothing to do."""
+        if self._lifeline is not None:
+            with contextlib.suppress(OSError):
+                os.write(self._lifeline, b"done\n")
+            os.close(self._lifeline)
+            self._lifeline = None
+        if self.guard is not None:
+            try:
+                self.guard.wait(10)
+            except subprocess.TimeoutExpired:
+                self.guard.kill()
+                self.guard.wait()
 
     def _run_controller(self, recover: bool) -> int:
         args = [
@@ -110,6 +286,7 @@ class Supervisor:
             args.append("--recover")
         self.controller = subprocess.Popen(args + self.controller_args)
         pid = self.controller.pid
+        guard = self.guard.pid if self.guard is not None else None
         while True:
             try:
                 reaped, status = os.waitpid(-1, 0)
@@ -120,35 +297,48 @@ class Supervisor:
             if reaped == pid:
                 self.controller.returncode = os.waitstatus_to_exitcode(status)
                 return status
+            if reaped == guard:  # killed by someone: the job goes on unguarded
+                log.warning("the job's guard process %d died (%s)", guard, _describe(status))
+                self.guard.returncode = os.waitstatus_to_exitcode(status)
+                continue
             # An orphaned worker or store server of a dead controller.
             write_exit_record(exits_dir(self.state_dir), reaped, status)
 
     def _forward(self, signum: int, frame: object) -> None:
-        """Ctrl-C or SIGTERM: the controller stops the job and records why."""
+        """Ctrl-C, SIGTERM or SIGHUP: the controller stops the job and records why."""
         self._signal = signum
         if self.controller is not None and self.controller.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.controller.pid, signum)
 
-    def _clean_up(self, job_id: str) -> None:
-        """Nothing of the job may outlive it."""
-        leftovers = job_processes(job_id)
-        for proc in leftovers:
-            with contextlib.suppress(psutil.Error):
-                proc.terminate()
-        _, alive = psutil.wait_procs(leftovers, timeout=5)
-        for proc in alive:
-            with contextlib.suppress(psutil.Error):
-                proc.kill()
+    def _clean_up(self) -> None:
+        """Nothing of this run may outlive it; nothing of any other run is touched."""
+        if self._cleaned:
+            return
+        self._cleaned = True
+        exclude = (self.guard.pid,) if self.guard is not None else ()
+        end_processes(run_processes(self.run_token, exclude), grace=5)
         # Reap what we adopted, so nothing is left as a zombie either.
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:
-            try:
-                pid, _ = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
+            children = [c.pid for c in psutil.Process().children() if c.pid not in exclude]
+            if not children:
                 break
-            if pid == 0:
-                time.sleep(0.01)
+            for pid in children:
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, os.WNOHANG)
+            time.sleep(0.01)
+        remove_exit_records(self.state_dir)
+
+
+def remove_exit_records(state_dir: Path) -> None:
+    """The exit records of a finished job are of no use to anyone."""
+    directory = exits_dir(state_dir)
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.scandir(directory):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.path)
+        os.rmdir(directory)
 
 
 def _describe(status: int) -> str:

@@ -1,0 +1,280 @@
+"""The job layer lets no one in, leaks nothing and ends with its launcher (issue 9)."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import io
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import test_failover_e2e as e2e
+from launcher import free_port
+from test_failover_e2e import ENV, RUN, TRAIN, Launch, check_after_run
+
+from inprocess.failover.supervisor import job_processes
+from inprocess.security import keyed_namespace
+
+SLOW = pytest.mark.slow
+
+
+def _reachable(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(5)
+        try:
+            s.connect((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def _client(port: int):
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=10))
+
+
+def _gone_within(launch: Launch, pids: list[int], seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        left = job_processes(launch.job_id) + [p for p in map(_alive, pids) if p]
+        if not left:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"still running {seconds}s later: {left}\n{launch.output()}")
+
+
+def _alive(pid: int) -> psutil.Process | None:
+    with contextlib.suppress(psutil.Error):
+        proc = psutil.Process(pid)
+        if proc.status() != psutil.STATUS_ZOMBIE:
+            return proc
+    return None
+
+
+# ----------------------------------------------------------------- deliverable 1
+
+
+def test_wrapper_hosted_store_listens_on_its_address_only():
+    from inprocess.store import TCPStore
+
+    port = free_port()
+    store = TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=10))
+    try:
+        assert _reachable("127.0.0.1", port)
+        assert not _reachable("127.0.0.2", port)  # "another host" of this machine
+    finally:
+        del store
+
+
+def test_namespace_is_keyed_with_the_secret(monkeypatch):
+    from inprocess.store import job_namespace
+
+    monkeypatch.delenv("INPROCESS_STORE_NAMESPACE", raising=False)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "r1")
+    monkeypatch.delenv("INPROCESS_JOB_SECRET", raising=False)
+    plain = job_namespace()
+    monkeypatch.setenv("INPROCESS_JOB_SECRET", "a")
+    keyed_a = job_namespace()
+    monkeypatch.setenv("INPROCESS_JOB_SECRET", "b")
+    assert len({plain, keyed_a, job_namespace()}) == 3
+    assert keyed_a.startswith(plain + "/") and len(keyed_a) - len(plain) == 33
+
+
+@SLOW
+@pytest.mark.timeout(240)
+def test_store_refuses_outsiders(tmp_path, monkeypatch):
+    """Bound to --master-addr only; a client without the secret changes nothing the job sees."""
+    secret = "issue9-test-secret"
+    monkeypatch.setitem(e2e.ENV, "INPROCESS_JOB_SECRET", secret)
+    with Launch(tmp_path, script_args=["--steps", "150", "--step-time", "0.03"]) as launch:
+        launch.wait_until(lambda: launch.running_at_step(10), what="training")
+        port = launch.state()["store"]["port"]
+        assert _reachable("127.0.0.1", port)
+        assert not _reachable("127.0.0.2", port)
+        client = _client(port)
+        try:
+            old = f"inprocess/{launch.job_id}/g0"  # the names the job used before the secret
+            real = f"inprocess/{keyed_namespace(f'{launch.job_id}/g0', secret)}"
+            assert client.check([f"{real}/wrapped"])  # with the secret: the job's keys
+            assert not client.check([f"{old}/wrapped"])
+            assert not client.check([f"{old}/call0/membership"])
+            for ns in (old, f"inprocess/{launch.job_id}", "inprocess/default"):
+                client.append(f"{ns}/call0/terminated", "1/0.0123456789,")
+                client.add(f"{ns}/call0/faults", 5)
+                client.add(f"{ns}/call0/terminated_epoch", 1)
+        finally:
+            del client
+        e2e.check_clean_success(launch, 150)
+        state = launch.state()
+        assert all(v == 0 for v in state["worker_restarts"].values()), state
+        assert not any(e["kind"] == "start" and e["world"] != 4 for e in launch.events())
+
+
+# ----------------------------------------------------------------- deliverable 4
+
+
+@SLOW
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("how", ["SIGKILL", "kill -9 -PGID", "SIGHUP"])
+def test_launcher_death_ends_the_job(tmp_path, how):
+    with Launch(tmp_path, script_args=["--steps", "100000", "--step-time", "0.03"]) as launch:
+        launch.wait_until(lambda: launch.running_at_step(10), what="training")
+        store_pid = launch.state()["store"]["pid"]
+        if how == "SIGKILL":
+            os.kill(launch.proc.pid, signal.SIGKILL)
+        elif how == "kill -9 -PGID":
+            os.killpg(launch.proc.pid, signal.SIGKILL)
+        else:
+            os.killpg(launch.proc.pid, signal.SIGHUP)  # the terminal was closed
+        code = launch.finish(timeout=60)
+        _gone_within(launch, [store_pid], 25)
+        state = launch.state()
+        assert state["stage"] == "STOPPED", state["stage"]
+        if how == "SIGHUP":
+            assert code == 128 + signal.SIGHUP and "SIGHUP" in state["reason"]
+        else:
+            assert code == -signal.SIGKILL
+            assert "inprocess-run" in state["reason"] and "died" in state["reason"]
+            assert state["exit_code"] != 0
+
+
+# ----------------------------------------------------------------- deliverable 5
+
+
+@SLOW
+@pytest.mark.timeout(240)
+def test_two_jobs_with_one_id(tmp_path):
+    with Launch(tmp_path, script_args=["--steps", "120", "--step-time", "0.03"]) as a:
+        # A process that is not of this run but carries the same job id (an earlier
+        # run's leftover, another user's look-alike): cleanup must not touch it.
+        bystander = subprocess.Popen(
+            [sys.executable, "-c", "import time; time.sleep(120)"],
+            env=dict(ENV, INPROCESS_JOB_ID=a.job_id),
+        )
+        try:
+            a.wait_until(lambda: a.running_at_step(5), what="training")
+            second = subprocess.run(
+                [*RUN, "--job-id", a.job_id, "--state-dir", str(tmp_path / "second"), str(TRAIN)],
+                env=ENV,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert second.returncode == 2, second.stderr
+            assert (
+                "already used by a live job" in second.stderr and "Traceback" not in second.stderr
+            )
+            assert a.finish() == 0, a.output()
+            assert bystander.poll() is None, "cleanup killed a process of another run"
+        finally:
+            bystander.kill()
+            bystander.wait()
+        check_after_run(a)
+
+
+# ----------------------------------------------------------------- deliverable 6
+
+
+@SLOW
+@pytest.mark.timeout(240)
+def test_controller_restart_limit_counts_crashes_in_a_row(tmp_path):
+    from inprocess.failover.supervisor import CONTROLLER_STABLE_SECONDS
+
+    pid_file = tmp_path / "state" / "controller.pid"
+
+    def controller() -> int:
+        try:
+            return int(pid_file.read_text())
+        except (OSError, ValueError):
+            return 0
+
+    def kill_next(previous: int, after: float = 0.0) -> int:
+        launch.wait_until(lambda: controller() not in (0, previous), what="a new controller")
+        time.sleep(after)
+        pid = controller()
+        os.kill(pid, signal.SIGKILL)
+        return pid
+
+    with Launch(
+        tmp_path,
+        "--max-controller-restarts",
+        "2",
+        script_args=["--steps", "100000", "--step-time", "0.03"],
+    ) as launch:
+        launch.wait_until(lambda: launch.running_at_step(5), what="training")
+        pid = kill_next(0)
+        pid = kill_next(pid, after=CONTROLLER_STABLE_SECONDS + 1)  # this one was stable
+        launch.wait_until(lambda: launch.output().count("(1/2)") == 2, what="count reset")
+        for _ in range(2):  # (2/2), then (3/2): over the limit
+            pid = kill_next(pid)
+        code = launch.finish(timeout=60)
+        assert code == 1, launch.output()
+        state = launch.state()
+        assert state["stage"] == "STOPPED" and "in a row" in state["reason"], state["reason"]
+        check_after_run(launch)
+
+
+@SLOW
+@pytest.mark.timeout(180)
+def test_planted_symlinks_are_not_followed(tmp_path):
+    state_dir = tmp_path / "state"
+    state_dir.mkdir(mode=0o700)
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    for name in ("controller.pid", "controller.tmp", "controller.pid.tmp"):
+        (state_dir / name).symlink_to(victim)
+    with Launch(tmp_path, script_args=["--steps", "100", "--step-time", "0.05"]) as launch:
+        launch.wait_until(lambda: launch.running_at_step(5), what="training")
+        first = int((state_dir / "controller.pid").read_text())
+        os.kill(first, signal.SIGKILL)  # the next one writes the pid file again
+        assert launch.finish() == 0, launch.output()
+        assert int((state_dir / "controller.pid").read_text()) != first
+        assert victim.read_text() == "precious\n"
+        assert not (state_dir / "controller.pid").is_symlink()
+        # the orphaned store server's exit record (and any other) is gone with the job
+        assert not (state_dir / "exits").exists()
+
+
+def _run_cli(*args: str) -> tuple[int, str]:
+    from inprocess.failover import cli
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = cli.main([*args, str(TRAIN)])
+    return code, err.getvalue()
+
+
+def _one_line_error(result: tuple[int, str], *words: str) -> None:
+    code, stderr = result
+    assert code == 2, stderr
+    lines = stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("inprocess-run: error:"), stderr
+    for word in words:
+        assert word in lines[0], stderr
+
+
+def test_bad_state_dirs_and_log_level_are_one_line_errors(tmp_path):
+    _one_line_error(_run_cli("--log-level", "FOO"), "--log-level", "FOO", "DEBUG")
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    _one_line_error(_run_cli("--state-dir", str(a_file)), "--state-dir", "not a directory")
+    _one_line_error(_run_cli("--state-dir", str(a_file / "sub")), "--state-dir")
+    _one_line_error(_run_cli("--state-dir", "/proc/1/inprocess-state"), "--state-dir")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    _one_line_error(_run_cli("--state-dir", str(shared)), "--state-dir", "writable by group")
+    if os.getuid() == 0:  # only root can give a directory away
+        other = tmp_path / "other"
+        other.mkdir(mode=0o700)
+        os.chown(other, 12345, 12345)
+        _one_line_error(_run_cli("--state-dir", str(other)), "--state-dir", "owned by uid 12345")
+    assert not any(Path(tmp_path).rglob("state.json"))
