@@ -35,6 +35,8 @@ log = logging.getLogger(__name__)
 _PR_SET_CHILD_SUBREAPER = 36
 #: a controller that keeps crashing this often in a row gives up the job
 MAX_CONTROLLER_RESTARTS = 10
+#: a controller stopped (SIGSTOP) this long is hung: it is killed and replaced
+CONTROLLER_STOP_GRACE = 5.0
 
 
 def _become_subreaper() -> None:
@@ -112,11 +114,17 @@ class Supervisor:
         pid = self.controller.pid
         while True:
             try:
-                reaped, status = os.waitpid(-1, 0)
+                reaped, status = os.waitpid(-1, os.WUNTRACED)
             except InterruptedError:
                 continue
             except ChildProcessError:
                 return 1
+            if os.WIFSTOPPED(status):
+                # A stopped worker is its Wrapper's business (hard timeout); a
+                # stopped controller would hold the whole job: replace it.
+                if reaped == pid:
+                    _kill_if_still_stopped(pid, CONTROLLER_STOP_GRACE)
+                continue
             if reaped == pid:
                 self.controller.returncode = os.waitstatus_to_exitcode(status)
                 return status
@@ -149,6 +157,25 @@ class Supervisor:
                 break
             if pid == 0:
                 time.sleep(0.01)
+
+
+def _kill_if_still_stopped(pid: int, grace: float) -> None:
+    """Kills ``pid`` (its death is then reaped as usual) if it stays stopped for ``grace``."""
+    log.warning("the controller (pid %d) is stopped", pid)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stopped = f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+        except OSError:
+            return
+        if not stopped:
+            log.warning("the controller (pid %d) continues", pid)
+            return
+        time.sleep(0.05)
+    log.error("the controller (pid %d) was stopped for %.3gs: replacing it", pid, grace)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
 
 
 def _describe(status: int) -> str:
