@@ -724,7 +724,7 @@ specs = st.builds(
 )
 
 
-OPS = ["exit"] * 6 + ["report"] * 3 + ["crash", "stop"]
+OPS = ["exit"] * 6 + ["report"] * 3 + ["crash", "stop", "lost", "abort"]
 EXITS = [(0, None), (1, None), (1, None), (None, 9), (None, 9), (None, None)]
 
 
@@ -743,7 +743,9 @@ def test_random_event_sequences_keep_the_invariants(spec, managed, data):
             break
         # at rest: the job runs and every worker is alive or done (nothing silently lost)
         assert sim.state.stage is Stage.RUNNING
-        assert all(r.status in (S.RUNNING, S.SUCCEEDED) for r in sim.state.workers.values())
+        assert all(
+            r.status in (S.RUNNING, S.SUCCEEDED, S.ABORTED) for r in sim.state.workers.values()
+        )
         assert sim.state.relaunching_nodes == set()
         op = data.draw(st.sampled_from(OPS), label="op")
         if data.draw(st.integers(0, 9), label="crash soon") == 0:
@@ -763,6 +765,14 @@ def test_random_event_sequences_keep_the_invariants(spec, managed, data):
                     sim.event(P.WorkerReported(w, inc, "boom"))
             elif op == "crash":
                 raise Crash
+            elif op == "lost":
+                cls = data.draw(st.sampled_from([P.StoreLost, P.NoLiveMember]), label="lost")
+                gen = max(0, sim.state.generation - data.draw(st.integers(0, 1), label="old"))
+                sim.event(cls(gen, "generation lost"))
+            elif op == "abort":
+                w = data.draw(st.integers(0, n - 1), label="aborted worker")
+                inc = sim.state.workers[w].incarnation
+                sim.event(P.WorkerReported(w, inc, "RestartAbort: x", restartable=False))
             elif data.draw(st.integers(0, 4), label="really stop") == 0:
                 sim.execute(sim.decide(P.request_stop, 143, "SIGTERM"))
         except Crash:
@@ -779,8 +789,10 @@ def test_random_event_sequences_keep_the_invariants(spec, managed, data):
     # drain: whatever happened, a running job can still complete
     sim.crash_countdown = None
     if sim.state.stage is Stage.RUNNING:
+        aborted = any(r.status is S.ABORTED for r in sim.state.workers.values())
         sim.succeed_all()
-        assert sim.state.stage is Stage.STOPPED and sim.state.exit_code == 0
+        assert sim.state.stage is Stage.STOPPED
+        assert sim.state.exit_code == (P.FAILURE_EXIT_CODE if aborted else 0)
     assert sim.state.stage is Stage.STOPPED
     assert sim.state.exit_code is not None and sim.state.reason
     with tempfile.TemporaryDirectory() as d:

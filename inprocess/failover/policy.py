@@ -641,6 +641,8 @@ def handle_event(state: JobState, event: Event, *, now: float) -> Decision:
         new.workers[w].status = WorkerStatus.ABORTED
         new.log_event("worker_aborted", f"{what}: not relaunched", now)
         logger.warning("job %s: %s: not relaunched", new.job_id, what)
+        if new.wrapper_managed is not True:  # job level: the job cannot go on without it
+            return _stop(new, FAILURE_EXIT_CODE, _abort_reason(new), now)
         return _settle(new, now)
 
     # 6: a failure
