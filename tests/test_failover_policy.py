@@ -724,7 +724,7 @@ specs = st.builds(
 )
 
 
-OPS = ["exit"] * 6 + ["report"] * 3 + ["crash", "stop"]
+OPS = ["exit"] * 6 + ["report"] * 3 + ["crash", "stop", "lost", "abort"]
 EXITS = [(0, None), (1, None), (1, None), (None, 9), (None, 9), (None, None)]
 
 
@@ -743,7 +743,9 @@ def test_random_event_sequences_keep_the_invariants(spec, managed, data):
             break
         # at rest: the job runs and every worker is alive or done (nothing silently lost)
         assert sim.state.stage is Stage.RUNNING
-        assert all(r.status in (S.RUNNING, S.SUCCEEDED) for r in sim.state.workers.values())
+        assert all(
+            r.status in (S.RUNNING, S.SUCCEEDED, S.ABORTED) for r in sim.state.workers.values()
+        )
         assert sim.state.relaunching_nodes == set()
         op = data.draw(st.sampled_from(OPS), label="op")
         if data.draw(st.integers(0, 9), label="crash soon") == 0:
@@ -763,6 +765,14 @@ def test_random_event_sequences_keep_the_invariants(spec, managed, data):
                     sim.event(P.WorkerReported(w, inc, "boom"))
             elif op == "crash":
                 raise Crash
+            elif op == "lost":
+                cls = data.draw(st.sampled_from([P.StoreLost, P.NoLiveMember]), label="lost")
+                gen = max(0, sim.state.generation - data.draw(st.integers(0, 1), label="old"))
+                sim.event(cls(gen, "generation lost"))
+            elif op == "abort":
+                w = data.draw(st.integers(0, n - 1), label="aborted worker")
+                inc = sim.state.workers[w].incarnation
+                sim.event(P.WorkerReported(w, inc, "RestartAbort: x", restartable=False))
             elif data.draw(st.integers(0, 4), label="really stop") == 0:
                 sim.execute(sim.decide(P.request_stop, 143, "SIGTERM"))
         except Crash:
@@ -779,8 +789,10 @@ def test_random_event_sequences_keep_the_invariants(spec, managed, data):
     # drain: whatever happened, a running job can still complete
     sim.crash_countdown = None
     if sim.state.stage is Stage.RUNNING:
+        aborted = any(r.status is S.ABORTED for r in sim.state.workers.values())
         sim.succeed_all()
-        assert sim.state.stage is Stage.STOPPED and sim.state.exit_code == 0
+        assert sim.state.stage is Stage.STOPPED
+        assert sim.state.exit_code == (P.FAILURE_EXIT_CODE if aborted else 0)
     assert sim.state.stage is Stage.STOPPED
     assert sim.state.exit_code is not None and sim.state.reason
     with tempfile.TemporaryDirectory() as d:
@@ -795,3 +807,59 @@ def test_handled_failures_match_worker_restarts():
     sim.event(P.WorkerReported(1, 0, "x"))
     assert sim.state.handled_failures == {failure_key(0, 0), failure_key(1, 0)}
     assert sum(sim.state.worker_restarts.values()) == 2
+
+
+# -- dead ends: a worker that left on purpose, a lost store, no live member (issue 9) ---
+
+
+def test_restart_abort_is_never_relaunched_and_ends_the_job_with_its_reason():
+    sim = running_sim(managed=True)
+    abort = "RestartAbort: iteration 3 would exceed max_iterations=3"
+    for w in range(3):
+        actions = sim.event(P.WorkerReported(w, 0, abort, restartable=False))
+        assert actions == [] and sim.state.workers[w].status is S.ABORTED
+    # its exit afterwards is the same departure, not a failure
+    only(sim.fail(0), P.Ignore)
+    assert sim.state.worker_restarts[0] == 0
+    actions = sim.event(P.WorkerReported(3, 0, abort, restartable=False))
+    stop = only(actions, P.StopJob)
+    assert stop.exit_code == P.FAILURE_EXIT_CODE and "max_iterations=3" in stop.reason
+    assert sim.state.stage is Stage.STOPPED and sim.state.reason == stop.reason
+
+
+def test_one_abort_among_successes_fails_the_job():
+    sim = running_sim(managed=True)
+    sim.event(P.WorkerReported(2, 0, "RestartAbort: gave up", restartable=False))
+    sim.succeed_all()
+    assert sim.state.stage is Stage.STOPPED and sim.state.exit_code == P.FAILURE_EXIT_CODE
+    assert "gave up" in sim.state.reason
+
+
+@pytest.mark.parametrize("event_cls", [P.StoreLost, P.NoLiveMember])
+def test_lost_generation_gets_a_cold_restart_within_the_limit(event_cls):
+    sim = running_sim(managed=True, job_max_restarts=1)
+    restart = only(sim.event(event_cls(0, "gone")), P.RestartJob)
+    assert restart.generation == 1 and "gone" in restart.reason
+    assert sim.state.stage is Stage.RUNNING and sim.state.generation == 1
+    assert all(r.incarnation == 1 for r in sim.state.workers.values())
+    only(sim.event(event_cls(0, "stale")), P.Ignore)  # an older generation's loss
+    stop = only(sim.event(event_cls(1, "gone again")), P.StopJob)
+    assert stop.exit_code == P.FAILURE_EXIT_CODE
+    assert "gone again" in stop.reason and "job_max_restarts=1" in stop.reason
+
+
+def test_no_live_member_after_an_abort_stops_instead_of_restarting():
+    sim = running_sim(managed=True)
+    sim.event(P.WorkerReported(0, 0, "RestartAbort: min_world_size", restartable=False))
+    only(sim.fail(1), P.RelaunchWorker)  # a crash is relaunched: it waits to rejoin
+    stop = only(sim.event(P.NoLiveMember(0, "no live member")), P.StopJob)
+    assert "min_world_size" in stop.reason and sim.state.generation == 0
+
+
+def test_node_relaunch_leaves_aborted_workers_alone():
+    sim = running_sim(managed=True, per_node_max_failures=1, spare_nodes=1)
+    sim.event(P.WorkerReported(1, 0, "RestartAbort: x", restartable=False))
+    sim.fail(0)
+    relaunch = only(sim.fail(0), P.RelaunchNode)
+    assert relaunch.workers == (0,)
+    assert sim.state.workers[1].status is S.ABORTED

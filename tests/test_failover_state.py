@@ -379,6 +379,7 @@ def test_stage_and_status_values():
         "stopping",
         "succeeded",
         "failed",
+        "aborted",
     }
     assert S.failure_key(3, 1) == "3:1"
 

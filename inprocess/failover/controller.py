@@ -6,7 +6,9 @@ One thread, one loop::
     decision = start_job(state)   or, after a crash of ours, recover(state)
     loop:
         apply(decision): save the new state, then execute its actions
-        events = process exits (pidfds) + failures the job reported in its store
+        events = the store server's death or hang (pidfd, /proc), failures the
+                 job reported in its store, process exits (pidfds), and a
+                 Wrapper job left with no live member
         decision = handle_event(state, event) for each event
         stop once the policy says so; exit with the job's exit code
 
@@ -21,12 +23,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import json
 import logging
 import os
+import select
 import signal
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,12 +44,14 @@ from .policy import (
     Action,
     Decision,
     Ignore,
+    NoLiveMember,
     RelaunchNode,
     RelaunchWorker,
     RestartJob,
     Resume,
     StartJob,
     StopJob,
+    StoreLost,
     WorkerExited,
     WorkerReported,
 )
@@ -56,6 +64,15 @@ log = logging.getLogger(__name__)
 INTERRUPTED_EXIT_CODE = 130
 #: time a worker gets between SIGTERM and SIGKILL when stopped
 STOP_GRACE = 5.0
+#: a store server seen stopped (SIGSTOP) this long is hung: it is killed and replaced
+STORE_STOP_GRACE = 5.0
+#: longest the controller's loop waits for one round of reads of the job's store
+STORE_READ_TIMEOUT = 2.0
+#: a Wrapper job seen without a live member this long is lost; covers the moment
+#: between a joiner's admission and the membership that lists it
+NO_MEMBER_GRACE = 3.0
+#: prefix of the fault-log reason of a rank whose Wrapper ended with RestartAbort
+_ABORT_PREFIX = "terminated: RestartAbort"
 
 
 def signal_exit_code(signum: int) -> int:
@@ -92,6 +109,10 @@ class Controller:
         self._client: Any = None
         self._reported: set[str] = set()
         self._stop_signal: int | None = None
+        self._reads = _BoundedCalls()
+        self._store_fd: int | None = None  # pidfd of the store server
+        self._store_stopped_since: float | None = None
+        self._no_member_since: float | None = None
 
     # ---------------------------------------------------------------- main loop
 
@@ -141,6 +162,13 @@ class Controller:
     def apply(self, decision: Decision) -> None:
         self.commit(decision.state)
         for action in decision.actions:
+            if isinstance(action, RelaunchWorker) and (
+                self.state.stage is not Stage.RUNNING
+                or self.state.generation != decision.state.generation
+            ):
+                # an earlier action (Resume) restarted or stopped the job: the plan is stale
+                log.debug("skipped %s: superseded", action)
+                continue
             self.execute(action)
 
     def execute(self, action: Action) -> None:
@@ -182,15 +210,31 @@ class Controller:
     # ---------------------------------------------------------------- observing
 
     def observe(self) -> list[policy.Event]:
-        """Waits one interval for process exits and polls the job's own reports."""
-        events: list[policy.Event] = []
-        for exit_ in self.backend.wait(self.spec.monitor_interval):
+        """Waits one interval for process exits, then checks the store and the job's reports.
+
+        The store is read after the exits are collected, and reports come
+        before exits: a worker writes why it leaves (e.g. ``RestartAbort``)
+        before its process ends, so its exit is then known to be on purpose.
+        """
+        exits = self.backend.wait(self.spec.monitor_interval)
+        running = self.state.stage is Stage.RUNNING
+        lost = self._store_problem() if running else None
+        if lost is not None:
+            # The exits of this interval are most likely its consequence; the
+            # cold restart replaces every incarnation anyway.
+            return [StoreLost(self.state.generation, lost)]
+        snapshot = self._read_job() if running else None
+        events: list[policy.Event] = self._reports(snapshot) if snapshot else []
+        for exit_ in exits:
             worker = self._worker_of_pid(exit_.pid)
             if worker is None:
                 continue
             record = self.state.workers[worker]
             events.append(WorkerExited(worker, record.incarnation, exit_.exit_code, exit_.signal))
-        events.extend(self._reports())
+        if snapshot is not None and not events:
+            dead = self._no_live_member(snapshot)
+            if dead is not None:
+                events.append(NoLiveMember(self.state.generation, dead))
         return events
 
     def _worker_of_pid(self, pid: int) -> int | None:
@@ -199,59 +243,186 @@ class Controller:
                 return worker
         return None
 
-    def _reports(self) -> list[policy.Event]:
-        """Failures the Wrapper recorded (ranks it declared terminated), and its presence."""
-        client = self._store_client()
-        if client is None:
-            return []
+    def _read_job(self) -> dict[str, Any] | None:
+        """One snapshot of the Wrapper's keys in the store, or ``None`` if it cannot be read
+        within :data:`STORE_READ_TIMEOUT` (the store is gone, hung or restarting)."""
+        if self.server is None or _process_stopped(self.server.pid):
+            return None
         ns = f"inprocess/{namespace(self.spec.job_id, self.state.generation)}"
-        events: list[policy.Event] = []
+        call = f"{ns}/call0"
+        reported = frozenset(self._reported)
+        server = self.server
+
+        def read() -> tuple[Any, dict[str, Any]]:
+            client = self._client
+            if client is None:
+                import torch.distributed as dist
+
+                client = dist.TCPStore(
+                    server.host,
+                    server.port,
+                    None,
+                    False,
+                    timeout=datetime.timedelta(seconds=STORE_READ_TIMEOUT),
+                )
+
+            def get(key: str) -> str | None:
+                return client.get(key).decode() if client.check([key]) else None
+
+            snapshot: dict[str, Any] = {
+                "wrapped": bool(client.check([f"{ns}/wrapped"])),
+                "initial_done": bool(client.check([f"{call}/initial/done"])),
+                "membership": get(f"{call}/membership"),
+                "terminated": [i for i in (get(f"{call}/terminated") or "").split(",") if i],
+                "fault_log": None,
+            }
+            if any(i not in reported for i in snapshot["terminated"]):
+                snapshot["fault_log"] = get(f"{call}/fault_log") or ""
+            return client, snapshot
+
         try:
-            if self.state.wrapper_managed is None and client.check([f"{ns}/wrapped"]):
-                self.commit(policy.set_wrapper_managed(self.state, True, now=time.time()))
-            key = f"{ns}/call0/terminated"
-            if not client.check([key]):
-                return []
-            identities = [i for i in client.get(key).decode().split(",") if i]
+            done, result = self._reads.call(read, STORE_READ_TIMEOUT)
         except Exception as ex:  # the store is restarting or gone: exits tell the rest
-            log.debug("cannot read the job's reports: %s", ex)
-            return []
+            log.debug("cannot read the job's store: %s", ex)
+            self._client = None
+            return None
+        if not done:
+            log.debug("the job's store did not answer within %.3gs", STORE_READ_TIMEOUT)
+            self._client = None
+            return None
+        self._client, snapshot = result
+        return snapshot
+
+    def _reports(self, snapshot: dict[str, Any]) -> list[policy.Event]:
+        """Failures the Wrapper recorded (ranks it declared terminated), and its presence."""
+        if self.state.wrapper_managed is None and snapshot["wrapped"]:
+            self.commit(policy.set_wrapper_managed(self.state, True, now=time.time()))
         from ..store import incarnation_of, initial_rank_of
 
-        for identity in identities:
+        reasons: dict[str, str] = {}
+        for line in (snapshot["fault_log"] or "").splitlines():
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                entry = json.loads(line)
+                if str(entry["reason"]).startswith("terminated: "):
+                    reasons.setdefault(entry["rank"], str(entry["reason"]))
+        events: list[policy.Event] = []
+        for identity in snapshot["terminated"]:
             if identity in self._reported:
+                continue
+            reason = reasons.get(identity)
+            if reason is None:
+                # The rank writes its reason right after listing itself: read it next time.
                 continue
             self._reported.add(identity)
             worker, incarnation = initial_rank_of(identity), incarnation_of(identity)
             record = self.state.workers.get(worker)
             if record is not None and record.incarnation == incarnation:
-                events.append(WorkerReported(worker, incarnation, "declared terminated by the job"))
+                restartable = not reason.startswith(_ABORT_PREFIX)
+                what = reason.removeprefix("terminated: ")
+                events.append(
+                    WorkerReported(
+                        worker,
+                        incarnation,
+                        f"declared terminated by the job: {what}"[:300],
+                        restartable=restartable,
+                    )
+                )
         return events
 
-    def _store_client(self) -> Any:
-        if self.server is None:
-            return None
-        if self._client is None:
-            import torch.distributed as dist
+    def _no_live_member(self, snapshot: dict[str, Any]) -> str | None:
+        """Why the Wrapper job has no live member left, once that has lasted
+        :data:`NO_MEMBER_GRACE`; ``None`` while it has one (or cannot tell)."""
+        from ..store import incarnation_of, initial_rank_of
 
-            try:
-                self._client = dist.TCPStore(
-                    self.server.host,
-                    self.server.port,
-                    None,
-                    False,
-                    timeout=datetime.timedelta(seconds=10),
-                )
-            except Exception as ex:
-                log.debug("cannot connect to the store: %s", ex)
-                return None
-        return self._client
+        state = self.state
+        members: list[str] = []
+        if snapshot["membership"]:
+            members = list(json.loads(snapshot["membership"])["members"])
+        terminated = set(snapshot["terminated"])
+
+        def live(identity: str) -> bool:
+            record = state.workers.get(initial_rank_of(identity))
+            return (
+                identity not in terminated
+                and record is not None
+                and record.status is WorkerStatus.RUNNING
+                and record.incarnation == incarnation_of(identity)
+            )
+
+        if (
+            state.wrapper_managed is not True
+            or not snapshot["initial_done"]
+            or not members  # not published yet: the job is starting
+            or any(r.status is WorkerStatus.SUCCEEDED for r in state.workers.values())
+            or any(live(m) for m in members)
+        ):
+            self._no_member_since = None
+            return None
+        now = time.monotonic()
+        if self._no_member_since is None:
+            self._no_member_since = now
+        if now - self._no_member_since < NO_MEMBER_GRACE:
+            return None
+        self._no_member_since = None
+        ended = sorted({initial_rank_of(m) for m in members})
+        waiting = sorted(w for w, r in state.workers.items() if r.status is WorkerStatus.RUNNING)
+        return (
+            f"no live member is left in the Wrapper job of generation {state.generation} "
+            f"(its members, workers {ended}, all ended; workers {waiting} wait to rejoin it)"
+        )
+
+    def _store_problem(self) -> str | None:
+        """How the store server was lost (dead, or stopped longer than
+        :data:`STORE_STOP_GRACE`), or ``None`` while it serves."""
+        server = self.server
+        if server is None:
+            return None
+        pid = server.pid
+        if self._store_fd is None:
+            with contextlib.suppress(OSError):
+                self._store_fd = os.pidfd_open(pid)
+        ended = self._store_fd is None or bool(select.select([self._store_fd], [], [], 0)[0])
+        if ended or not server.alive():
+            how = "ended"
+            with contextlib.suppress(ChildProcessError):
+                reaped, status = os.waitpid(pid, os.WNOHANG)
+                if reaped == pid:
+                    how = WorkerExited(0, 0, *_exit_of(status)).describe()
+            self._forget_server()  # its pid may be reused from now on: never signal it
+            return f"the store server (pid {pid}) {how}"
+        if not _process_stopped(pid):
+            self._store_stopped_since = None
+            return None
+        now = time.monotonic()
+        if self._store_stopped_since is None:
+            self._store_stopped_since = now
+            log.warning("the store server (pid %d) is stopped", pid)
+        if now - self._store_stopped_since < STORE_STOP_GRACE:
+            return None
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+        self._forget_server()
+        return (
+            f"the store server (pid {pid}) was stopped for more than {STORE_STOP_GRACE:.3g}s "
+            "(SIGSTOP): killed"
+        )
+
+    def _forget_server(self) -> None:
+        self.server = None
+        self._client = None
+        self._store_stopped_since = None
+        if self._store_fd is not None:
+            os.close(self._store_fd)
+            self._store_fd = None
 
     # ---------------------------------------------------------------- acting
 
     def start_generation(self) -> None:
         """A new store server (a fresh key space) and every worker (a cold start)."""
         self._stop_server()
+        self._no_member_since = None
         self.server = start_store_server(self.spec.master_addr)
         state = self.state.copy()
         state.store = {
@@ -323,20 +494,12 @@ class Controller:
         self.backend.stop([p for p in pids if p is not None], STOP_GRACE)
 
     def resume(self) -> None:
-        """Re-attaches to the store server and to the workers that are still running."""
-        store = self.state.store
-        if store and process_start_time(store["pid"]) == store.get("start_time"):
-            self.server = StoreServer(store["host"], store["port"], store["pid"])
-        else:
-            self.apply(
-                policy.request_stop(
-                    self.state,
-                    policy.FAILURE_EXIT_CODE,
-                    "the store server was lost while the controller was down",
-                    now=time.time(),
-                )
-            )
-            return
+        """Re-attaches to the store server and to the workers that are still running.
+
+        Every live worker is attached first, so that a cold restart decided
+        because the store server is gone stops them too.
+        """
+        lost: list[tuple[int, WorkerExited]] = []
         for worker, record in sorted(self.state.workers.items()):
             if record.status is not WorkerStatus.RUNNING:
                 continue
@@ -349,6 +512,17 @@ class Controller:
             )
             ended = read_exit_record(exits_dir(self.state_dir), record.pid)
             event = WorkerExited(worker, record.incarnation, ended.exit_code, ended.signal)
+            lost.append((worker, event))
+        store = self.state.store
+        if store and process_start_time(store["pid"]) == store.get("start_time"):
+            self.server = StoreServer(store["host"], store["port"], store["pid"])
+        else:
+            event = StoreLost(
+                self.state.generation, "the store server was lost while the controller was down"
+            )
+            self.apply(policy.handle_event(self.state, event, now=time.time()))
+            return
+        for _, event in lost:
             self.apply(policy.handle_event(self.state, event, now=time.time()))
 
     def finish(self) -> None:
@@ -361,11 +535,64 @@ class Controller:
         self._client = None
         if self.server is not None:
             self.server.stop()
-            self.server = None
+            self._forget_server()
         elif self.state.store:
             store = self.state.store
             if process_start_time(store["pid"]) == store.get("start_time"):
                 StoreServer(store["host"], store["port"], store["pid"]).stop()
+
+
+class _BoundedCalls:
+    """Runs blocking calls (store reads) on a daemon thread, waiting a bounded time.
+
+    A TCPStore client call blocks as long as its server does not answer (a
+    SIGSTOPped server: forever), whatever the client's timeout; the
+    controller's loop must never block on it.
+
+    Invariant: at most one call is in flight. A call that does not return in
+    time is left to finish on its thread (it does once the server is killed
+    or continues), and no other call is made until it has.
+    """
+
+    def __init__(self) -> None:
+        self._pending: threading.Thread | None = None
+
+    def call(self, fn: Callable[[], Any], timeout: float) -> tuple[bool, Any]:
+        """``(True, fn())``, or ``(False, None)`` if it did not return within ``timeout``."""
+        if self._pending is not None and self._pending.is_alive():
+            return False, None
+        box: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                box["value"] = fn()
+            except BaseException as ex:  # handed over to the caller
+                box["error"] = ex
+
+        thread = threading.Thread(target=run, name="inprocess-store-read", daemon=True)
+        thread.start()
+        thread.join(timeout)
+        if thread.is_alive():
+            self._pending = thread
+            return False, None
+        self._pending = None
+        if "error" in box:
+            raise box["error"]
+        return True, box.get("value")
+
+
+def _process_stopped(pid: int) -> bool:
+    """Whether ``pid`` is stopped (SIGSTOP, SIGTSTP, a tracer)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
+def _exit_of(status: int) -> tuple[int | None, int | None]:
+    code = os.waitstatus_to_exitcode(status)
+    return (code, None) if code >= 0 else (None, -code)
 
 
 def _write_pid_file(path: Path) -> None:

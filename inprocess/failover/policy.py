@@ -37,6 +37,13 @@ Decision rules for one event (:func:`handle_event`), in this order:
    may exit 0 on SIGTERM). Its node's failure count was reset when the relaunch
    was decided.
 5. Exit code 0: the worker succeeded; when all have, the job stops with code 0.
+   A worker that reported leaving on purpose (``WorkerReported(restartable=False)``:
+   its Wrapper ended with ``RestartAbort``, i.e. the job's own restart policy,
+   such as ``RetryController``, gave up) is not a failure to retry: it is
+   marked ``aborted`` and never relaunched (relaunching it would only override
+   that decision, or wait to rejoin a job that is ending). Once no worker is
+   left running, the job stops with code 0 if all succeeded, else with a
+   failing code and the abort's reason.
 6. Otherwise a failure: counted once per worker and per node, then
    a. worker failures > ``max_restarts``: stop;
    b. node failures > ``per_node_max_failures``: relaunch the node (to a free
@@ -44,6 +51,19 @@ Decision rules for one event (:func:`handle_event`), in this order:
    c. wrapper-managed role: relaunch this worker alone (warm, it rejoins);
    d. otherwise a cold restart of the whole job if ``job_max_restarts`` allows
       (a node relaunch decided in b. is carried out by this restart), else stop.
+
+Two job-level events end a generation that can no longer make progress:
+
+* :class:`StoreLost`: the generation's store server died (or hung). Every key
+  of the Wrapper's protocol went with it, so no worker can be relaunched into
+  it: a cold restart (a new generation with a fresh store) if
+  ``job_max_restarts`` allows, else stop.
+* :class:`NoLiveMember`: a Wrapper-managed generation has no live member left
+  (every member ended: hard timeouts, ``RestartAbort``, kills); relaunched
+  workers would wait forever to be admitted by nobody. If a worker left with
+  ``RestartAbort``, the job stops with that reason (its restart policy gave up
+  and a cold restart would silently reset it); otherwise a cold restart if
+  ``job_max_restarts`` allows, else stop.
 """
 
 from __future__ import annotations
@@ -65,6 +85,7 @@ __all__ = [
     "Decision",
     "Event",
     "Ignore",
+    "NoLiveMember",
     "PolicyError",
     "RelaunchNode",
     "RelaunchWorker",
@@ -72,6 +93,7 @@ __all__ = [
     "Resume",
     "StartJob",
     "StopJob",
+    "StoreLost",
     "WorkerExited",
     "WorkerReported",
     "check_state",
@@ -160,18 +182,54 @@ class WorkerReported:
     worker: int
     incarnation: int
     reason: str
+    #: False when the worker left on purpose (``RestartAbort``): never relaunched
+    restartable: bool = True
 
     def __post_init__(self) -> None:
         _check_int("WorkerReported.worker", self.worker, 0)
         _check_int("WorkerReported.incarnation", self.incarnation, 0)
         if not isinstance(self.reason, str):
             raise PolicyError(f"WorkerReported.reason must be a string, got {self.reason!r}")
+        if not isinstance(self.restartable, bool):
+            raise PolicyError(
+                f"WorkerReported.restartable must be True or False, got {self.restartable!r}"
+            )
 
     def describe(self) -> str:
+        if not self.restartable:
+            return f"left the job ({self.reason})"
         return f"reported a failure ({self.reason})"
 
 
-Event = WorkerExited | WorkerReported
+@dataclasses.dataclass(frozen=True)
+class StoreLost:
+    """The store server of ``generation`` died or hung (``reason`` says how)."""
+
+    generation: int
+    reason: str
+
+    def __post_init__(self) -> None:
+        _check_int("StoreLost.generation", self.generation, 0)
+        if not isinstance(self.reason, str) or not self.reason:
+            raise PolicyError(f"StoreLost.reason must be a non-empty string, got {self.reason!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class NoLiveMember:
+    """The Wrapper job of ``generation`` has no live member left (``reason`` says who ended)."""
+
+    generation: int
+    reason: str
+
+    def __post_init__(self) -> None:
+        _check_int("NoLiveMember.generation", self.generation, 0)
+        if not isinstance(self.reason, str) or not self.reason:
+            raise PolicyError(
+                f"NoLiveMember.reason must be a non-empty string, got {self.reason!r}"
+            )
+
+
+Event = WorkerExited | WorkerReported | StoreLost | NoLiveMember
 
 
 # -- actions: what the controller must do next ------------------------------
@@ -458,7 +516,8 @@ def worker_started(
     if new.stage is Stage.RUNNING and rec.node in new.relaunching_nodes:
         node_workers = new.spec.workers_of(rec.node)
         if all(
-            new.workers[w].status in (WorkerStatus.RUNNING, WorkerStatus.SUCCEEDED)
+            new.workers[w].status
+            in (WorkerStatus.RUNNING, WorkerStatus.SUCCEEDED, WorkerStatus.ABORTED)
             for w in node_workers
         ):
             new.relaunching_nodes.discard(rec.node)
@@ -477,11 +536,63 @@ def worker_started(
 # -- the failover decision --------------------------------------------------
 
 
+def _aborted(state: JobState) -> list[int]:
+    return sorted(w for w, r in state.workers.items() if r.status is WorkerStatus.ABORTED)
+
+
+def _abort_reason(state: JobState) -> str:
+    """Why the job's own restart policy gave up: the last worker that left on purpose."""
+    for event in reversed(state.events):
+        if event["kind"] == "worker_aborted":
+            return event["message"]
+    return f"workers {_aborted(state)} left the job on purpose"
+
+
+def _settle(state: JobState, now: float) -> Decision:
+    """After a worker ended for good: stop once no worker is left to wait for."""
+    ended = (WorkerStatus.SUCCEEDED, WorkerStatus.ABORTED)
+    if not all(r.status in ended for r in state.workers.values()):
+        return Decision(state, [])
+    if not _aborted(state):
+        return _stop(state, 0, f"completed: all {len(state.workers)} workers succeeded", now)
+    return _stop(state, FAILURE_EXIT_CODE, _abort_reason(state), now)
+
+
+def _generation_lost(state: JobState, event: StoreLost | NoLiveMember, now: float) -> Decision:
+    """A generation that cannot progress: cold restart within the limits, else stop."""
+    if state.stage is not Stage.RUNNING:
+        return _ignore(state, f"{event.reason} while the job is {state.stage.value}: ignored")
+    if event.generation != state.generation:
+        return _ignore(state, f"{event.reason} (generation {event.generation}): stale, ignored")
+    new = _changed(state, now)
+    kind = "store_lost" if isinstance(event, StoreLost) else "no_live_member"
+    new.log_event(kind, event.reason, now)
+    if _aborted(new):
+        return _stop(
+            new,
+            FAILURE_EXIT_CODE,
+            f"{event.reason}; not restarted because {_abort_reason(new)}",
+            now,
+        )
+    if new.job_restarts >= new.spec.job_max_restarts:
+        return _stop(
+            new,
+            FAILURE_EXIT_CODE,
+            f"{event.reason}; no cold restart left: job_max_restarts="
+            f"{new.spec.job_max_restarts} used",
+            now,
+        )
+    return _restart_job(new, event.reason, now)
+
+
 def handle_event(state: JobState, event: Event, *, now: float) -> Decision:
     """Decide what a worker exit or failure report means (rules in the module doc)."""
+    if isinstance(event, StoreLost | NoLiveMember):
+        return _generation_lost(state, event, now)
     if not isinstance(event, WorkerExited | WorkerReported):
         raise PolicyError(
-            f"event must be WorkerExited or WorkerReported, got {type(event).__name__}"
+            "event must be WorkerExited, WorkerReported, StoreLost or NoLiveMember, "
+            f"got {type(event).__name__}"
         )
     w, inc = event.worker, event.incarnation
     what = f"worker {w} incarnation {inc} {event.describe()}"
@@ -517,16 +628,22 @@ def handle_event(state: JobState, event: Event, *, now: float) -> Decision:
         new.log_event("worker_stopped", f"{what} (stopped on purpose, not a failure)", now)
         return Decision(new, [])
 
-    # 5: success
+    # 5: success, or left on purpose
     if isinstance(event, WorkerExited) and event.exit_code == 0:
         new = _changed(state, now)
         rec = new.workers[w]
         rec.status = WorkerStatus.SUCCEEDED
         rec.exit_code, rec.signal = 0, None
         new.log_event("worker_succeeded", f"worker {w} incarnation {inc} succeeded", now)
-        if all(r.status is WorkerStatus.SUCCEEDED for r in new.workers.values()):
-            return _stop(new, 0, f"completed: all {len(new.workers)} workers succeeded", now)
-        return Decision(new, [])
+        return _settle(new, now)
+    if isinstance(event, WorkerReported) and not event.restartable:
+        new = _changed(state, now)
+        new.workers[w].status = WorkerStatus.ABORTED
+        new.log_event("worker_aborted", f"{what}: not relaunched", now)
+        logger.warning("job %s: %s: not relaunched", new.job_id, what)
+        if new.wrapper_managed is not True:  # job level: the job cannot go on without it
+            return _stop(new, FAILURE_EXIT_CODE, _abort_reason(new), now)
+        return _settle(new, now)
 
     # 6: a failure
     new = _changed(state, now)
@@ -569,9 +686,8 @@ def handle_event(state: JobState, event: Event, *, now: float) -> Decision:
     if relaunch_node and managed:
         from_slot, to_slot = _move_node(new, node, now)
         _mark_running_as_stopping(new, set(spec.workers_of(node)))
-        workers = tuple(
-            x for x in spec.workers_of(node) if new.workers[x].status is not WorkerStatus.SUCCEEDED
-        )
+        ended = (WorkerStatus.SUCCEEDED, WorkerStatus.ABORTED)
+        workers = tuple(x for x in spec.workers_of(node) if new.workers[x].status not in ended)
         logger.warning(
             "job %s: node %d failed %d times: relaunching it on slot %d",
             new.job_id,

@@ -96,6 +96,9 @@ class WorkerStatus(str, enum.Enum):
     SUCCEEDED = "succeeded"
     #: the incarnation failed (exit or self-report); a relaunch may be pending
     FAILED = "failed"
+    #: the incarnation left the job on purpose (its Wrapper ended with ``RestartAbort``):
+    #: the job's own restart policy gave up on it, so it is never relaunched
+    ABORTED = "aborted"
 
 
 class StateError(Exception):

@@ -51,6 +51,8 @@ GUARD_GRACE = 15.0
 
 def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(None, use_errno=True)
+#: a controller stopped (SIGSTOP) this long is hung: it is killed and replaced
+CONTROLLER_STOP_GRACE = 5.0
 
 
 def _become_subreaper() -> None:
@@ -289,11 +291,17 @@ class Supervisor:
         guard = self.guard.pid if self.guard is not None else None
         while True:
             try:
-                reaped, status = os.waitpid(-1, 0)
+                reaped, status = os.waitpid(-1, os.WUNTRACED)
             except InterruptedError:
                 continue
             except ChildProcessError:
                 return 1
+            if os.WIFSTOPPED(status):
+                # A stopped worker is its Wrapper's business (hard timeout); a
+                # stopped controller would hold the whole job: replace it.
+                if reaped == pid:
+                    _kill_if_still_stopped(pid, CONTROLLER_STOP_GRACE)
+                continue
             if reaped == pid:
                 self.controller.returncode = os.waitstatus_to_exitcode(status)
                 return status
@@ -339,6 +347,25 @@ def remove_exit_records(state_dir: Path) -> None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(entry.path)
         os.rmdir(directory)
+
+
+def _kill_if_still_stopped(pid: int, grace: float) -> None:
+    """Kills ``pid`` (its death is then reaped as usual) if it stays stopped for ``grace``."""
+    log.warning("the controller (pid %d) is stopped", pid)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stopped = f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+        except OSError:
+            return
+        if not stopped:
+            log.warning("the controller (pid %d) continues", pid)
+            return
+        time.sleep(0.05)
+    log.error("the controller (pid %d) was stopped for %.3gs: replacing it", pid, grace)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
 
 
 def _describe(status: int) -> str:
