@@ -425,14 +425,6 @@ def call_wrapper_parameters(fn: Callable[..., Any]) -> list[str]:
 # --------------------------------------------------------------------------- the call
 
 
-class _RankLeaves(BaseException):
-    """Carries a failure that ends this rank out of the interruptible region."""
-
-    def __init__(self, original: BaseException) -> None:
-        super().__init__(original)
-        self.original = original
-
-
 @dataclasses.dataclass
 class _Iteration:
     """What every rank agreed on at an iteration barrier."""
@@ -907,11 +899,10 @@ class CallWrapper:
         The interruptible region: the monitor thread may raise
         ``RankShouldRestart`` anywhere inside it until it is disarmed.
         """
-        s = self.state
         self._board.write_iteration(current.index)
         self._watchdog.resume(current.index)
         monitor = self._monitor
-        armed = monitor.arm(current.index, current.baseline, s)
+        armed = monitor.arm(current.index, current.baseline, self.state)
         outcome = _Result()
         try:
             self._initialize()
@@ -921,7 +912,8 @@ class CallWrapper:
                 self.state = _returned_state(
                     self.wrapper.health_check(self.state, None), self.state
                 )
-            if s.mode == Mode.ACTIVE:
+            # initialize and the health check may have returned a new State.
+            if self.state.mode == Mode.ACTIVE:
                 with self._function_environment(current):
                     outcome.value = fn(*args, **kwargs)
                 self._watchdog.pause_manual()
@@ -948,8 +940,6 @@ class CallWrapper:
     def _classify_fault(self, outcome: _Result, armed: _mt.Armed) -> _Result:
         ex = outcome.exception
         s = self.state
-        if isinstance(ex, _RankLeaves):
-            raise ex.original
         if isinstance(ex, RankShouldRestart):
             log.info(
                 "%s: restarting iteration %d (%s)",

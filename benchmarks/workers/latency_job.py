@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
 import sys
 import time
@@ -115,6 +116,8 @@ def overhead(rounds: int, steps: int, interval_ms: float | None) -> None:
 
 
 if __name__ == "__main__":
+    # The library logs through `logging`; a benchmark wants its warnings only.
+    logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)
     if MODE == "restarts":
         restarts(int(sys.argv[3]), float(sys.argv[4]))

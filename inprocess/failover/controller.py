@@ -318,6 +318,10 @@ class Controller:
             record = self.state.workers.get(worker)
             if record is not None and record.incarnation == incarnation:
                 restartable = not reason.startswith(_ABORT_PREFIX)
+                if restartable and process_start_time(record.pid or -1) != record.pid_start_time:
+                    # Its process is gone: the backend collects its exit, which
+                    # says more (the status or signal) and leads to the same action.
+                    continue
                 what = reason.removeprefix("terminated: ")
                 events.append(
                     WorkerReported(
