@@ -12,6 +12,7 @@ import os
 import signal
 import time
 
+import psutil
 import pytest
 from test_failover_e2e import REPO, Launch, check_after_run
 
@@ -124,3 +125,19 @@ def test_stopped_controller_is_replaced(tmp_path):
         )
         state = check_completed(job, steps, timeout=240)
         assert any(e["kind"] == "recover" for e in state["events"])
+
+
+@pytest.mark.timeout(240)
+def test_stop_request_to_a_stopped_controller_still_stops_the_job(tmp_path):
+    # SIGTERM cannot be acted on by a stopped controller; it is pending when the
+    # supervisor replaces it, and the job stops as the request asked.
+    with launch(tmp_path, steps=300) as job:
+        job.wait_until(lambda: job.running_at_step(20), timeout=240, what="training")
+        pid = int((job.state_dir / "controller.pid").read_text())
+        os.kill(pid, signal.SIGSTOP)
+        job.wait_until(lambda: psutil.Process(pid).status() == psutil.STATUS_STOPPED)
+        os.kill(pid, signal.SIGTERM)
+        code = job.finish(timeout=120)
+        assert code == 128 + signal.SIGTERM, job.output()
+        assert job.state()["reason"] == "stopped by SIGTERM", job.output()
+        check_after_run(job)

@@ -300,7 +300,11 @@ class Supervisor:
                 # A stopped worker is its Wrapper's business (hard timeout); a
                 # stopped controller would hold the whole job: replace it.
                 if reaped == pid:
-                    _kill_if_still_stopped(pid, CONTROLLER_STOP_GRACE)
+                    pending = _kill_if_still_stopped(pid, CONTROLLER_STOP_GRACE)
+                    if pending is not None and self._signal is None:
+                        # Someone asked the stopped controller to stop the job: that
+                        # request outlives it (run() stops the job instead of replacing it).
+                        self._signal = pending
                 continue
             if reaped == pid:
                 self.controller.returncode = os.waitstatus_to_exitcode(status)
@@ -349,8 +353,12 @@ def remove_exit_records(state_dir: Path) -> None:
         os.rmdir(directory)
 
 
-def _kill_if_still_stopped(pid: int, grace: float) -> None:
-    """Kills ``pid`` (its death is then reaped as usual) if it stays stopped for ``grace``."""
+def _kill_if_still_stopped(pid: int, grace: float) -> int | None:
+    """Kills ``pid`` (its death is then reaped as usual) if it stays stopped for ``grace``.
+
+    Returns the stop request (SIGINT, SIGTERM or SIGHUP) that was pending on it
+    when it was killed, which it could not act on while stopped.
+    """
     log.warning("the controller (pid %d) is stopped", pid)
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline:
@@ -358,14 +366,32 @@ def _kill_if_still_stopped(pid: int, grace: float) -> None:
             with open(f"/proc/{pid}/stat") as f:
                 stopped = f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
         except OSError:
-            return
+            return None
         if not stopped:
             log.warning("the controller (pid %d) continues", pid)
-            return
+            return None
         time.sleep(0.05)
+    pending = _pending_stop_request(pid)
     log.error("the controller (pid %d) was stopped for %.3gs: replacing it", pid, grace)
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
+    return pending
+
+
+def _pending_stop_request(pid: int) -> int | None:
+    """SIGINT, SIGTERM or SIGHUP if one is pending on ``pid`` (``/proc/<pid>/status``)."""
+    pending = 0
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(("SigPnd:", "ShdPnd:")):
+                    pending |= int(line.split()[1], 16)
+    except (OSError, ValueError, IndexError):
+        return None
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        if pending & (1 << (int(sig) - 1)):
+            return int(sig)
+    return None
 
 
 def _describe(status: int) -> str:
