@@ -28,11 +28,6 @@ log = logging.getLogger(__name__)
 EXIT_RECORD_WAIT = 2.0
 
 
-def exits_dir(state_dir: Path) -> Path:
-    """Where the exit records of a job's reaped orphans are kept."""
-    return state_dir / "exits"
-
-
 def exit_record_path(exits_dir: Path, pid: int) -> Path:
     return exits_dir / f"{pid}.json"
 
@@ -69,7 +64,7 @@ class LocalBackend:
     """Worker processes of this machine, each in its own session and process group."""
 
     def __init__(self, state_dir: Path) -> None:
-        self.exits_dir = exits_dir(state_dir)
+        self.exits_dir = state_dir / "exits"  # the exit records of reaped orphans
         self._children: dict[int, subprocess.Popen[bytes]] = {}
         self._pidfds: dict[int, int] = {}
         self._poller = select.poll()
@@ -144,7 +139,7 @@ class LocalBackend:
             code = child.wait()
             return ProcessExit(pid, code if code >= 0 else None, -code if code < 0 else None)
         # An orphan from an earlier controller: the supervisor reaps it and records it.
-        return read_exit_record(self.exits_dir, pid)
+        return self.exit_of(pid)
 
     def exit_of(self, pid: int) -> ProcessExit:
         return read_exit_record(self.exits_dir, pid)
