@@ -70,7 +70,6 @@ import platform
 import random
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -83,6 +82,7 @@ from typing import Any
 
 import psutil
 
+from inprocess._net import free_port
 from inprocess.failover.supervisor import processes_with_env
 
 REPO = Path(__file__).resolve().parents[1]
@@ -186,13 +186,6 @@ class Events:
             all(e["world"] == WORLD and e["time"] >= since for e in latest.values())
             and len({e["iteration"] for e in latest.values()}) == 1
         )
-
-
-def free_port() -> int:
-    """A TCP port that is free now (torchrun binds it a moment later)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launcher(name: str, module: str) -> list[str]:

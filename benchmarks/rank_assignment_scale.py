@@ -23,13 +23,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import random
-import socket
 import statistics
 import time
 from collections.abc import Callable
 
 import torch.distributed as dist
 
+from inprocess._net import free_port
 from inprocess.compose import Compose
 from inprocess.rank_assignment import FillGaps, FilterGroupedByKey, RankAssignment, ShiftRanks
 from inprocess.state import State
@@ -43,12 +43,6 @@ class HashStore(dist.HashStore, StoreMixin):
 def tcp_store(port: int, is_master: bool) -> StoreMixin:
     timeout = datetime.timedelta(seconds=60)
     return TCPStore(host_name="127.0.0.1", port=port, is_master=is_master, timeout=timeout)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def percentiles(samples: list[float]) -> tuple[float, float]:

@@ -17,21 +17,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from inprocess._net import free_port
+
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "workers" / "latency_job.py"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_ranks(world: int, args: list[str], out: Path, timeout: float = 600) -> None:

@@ -28,7 +28,6 @@ import datetime
 import itertools
 import multiprocessing
 import os
-import socket
 import statistics
 import threading
 import time
@@ -42,6 +41,7 @@ from typing import Any
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
 
+from inprocess._net import free_port
 from inprocess.store import TCPStore
 
 TIMEOUT = datetime.timedelta(seconds=60)
@@ -84,12 +84,6 @@ class CountingTCPStore(TCPStore):
     def multi_get(self, *args: Any) -> Any:
         self._count()
         return super().multi_get(*args)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def decide(arrivals: dict[str, str], terminated: set[str], baseline: int) -> str:

@@ -34,7 +34,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -45,6 +44,7 @@ from pathlib import Path
 
 import psutil
 
+from inprocess._net import free_port
 from inprocess.failover.supervisor import processes_with_env
 
 REPO = Path(__file__).resolve().parent.parent
@@ -53,24 +53,10 @@ TORCHRUN = Path(sys.executable).parent / "torchrun"
 RANKS = 4
 
 
-def free_port() -> int:
-    """A port whose next one is free too (the script's own store is on MASTER_PORT + 1)."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:
-            with socket.socket() as s1, socket.socket() as s2:
-                s1.bind(("127.0.0.1", port + 1))
-                s2.bind(("127.0.0.1", port + 2))
-            return port
-        except OSError:
-            continue
-
-
 def run(system: str, faults: int, steps: int, out: Path, deadline: float) -> dict:
     out.mkdir(parents=True)
-    cmd = [str(TORCHRUN), "--nproc-per-node", str(RANKS), "--master-port", str(free_port())]
+    port = free_port(following=2)  # the script's own store is on MASTER_PORT + 1
+    cmd = [str(TORCHRUN), "--nproc-per-node", str(RANKS), "--master-port", str(port)]
     if system == "torchrun":
         cmd += ["--max-restarts", str(faults)]
     cmd += [str(SCRIPT), "--out", str(out), "--faults", str(faults), "--steps", str(steps)]

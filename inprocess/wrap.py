@@ -45,6 +45,7 @@ from typing import Any
 
 from . import monitor_thread as _mt
 from .abort import Abort, AbortTorchDistributed
+from .abort.rendezvous import fresh_env_rendezvous, release_held_servers
 from .compose import Compose
 from .exception import HealthCheckError, InternalError, StoreError
 from .exception import TimeoutError as RestartTimeoutError
@@ -68,7 +69,6 @@ from .store import (
     job_namespace,
     new_identity,
 )
-from .user_rendezvous import fresh_env_rendezvous, release_held_servers
 
 log = logging.getLogger(__name__)
 

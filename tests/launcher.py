@@ -7,7 +7,6 @@ import dataclasses
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,17 +16,12 @@ from typing import Any
 
 import psutil
 
+from inprocess._net import free_port
 from inprocess.failover.supervisor import processes_with_env
 
 REPO = Path(__file__).resolve().parent.parent
 WORKERS = Path(__file__).resolve().parent / "workers"
 MARKER = "INPROCESS_TEST_JOB"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def job_processes(marker: str) -> list[psutil.Process]:

@@ -393,3 +393,12 @@ def test_save_cost_is_small(tmp_path):
     for i in range(S.MAX_EVENTS):
         state.log_event("tick", "x" * 60, float(i))
     assert len(dumps_state(state)) < 100_000
+
+
+def test_failure_key_codec():
+    key = S.FailureKey(3, 12)
+    assert key.encode() == S.failure_key(3, 12) == "3:12"
+    assert S.FailureKey.parse("3:12") == key
+    for bad in ("3", "3:1:2", "-1:0", "a:0", "1:", "³:0"):
+        with pytest.raises(ValueError, match="worker:incarnation"):
+            S.FailureKey.parse(bad)

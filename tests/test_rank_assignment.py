@@ -5,7 +5,6 @@ from __future__ import annotations
 import datetime
 import os
 import random
-import socket
 import subprocess
 import sys
 import threading
@@ -15,6 +14,7 @@ import pytest
 import torch.distributed as dist
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from launcher import free_port
 
 from inprocess.compose import Compose
 from inprocess.exception import InternalError, RestartError
@@ -441,12 +441,6 @@ def test_filter_grouped_by_key_property(job, group_size, kind):
 # ---------------------------------------------------------------------- TCPStore, processes
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def process_rank(port: int, rank: int, world_size: int, host: str) -> None:
     """One rank with its own store client; publishes its outcome in the store."""
     store = TCPStore(
@@ -473,7 +467,7 @@ process_rank(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
 
 
 def test_filter_over_tcp_store_across_processes():
-    port = _free_port()
+    port = free_port()
     # libuv's server would keep a process-wide pipe open after it is gone
     server = TCPStore(
         host_name="127.0.0.1",

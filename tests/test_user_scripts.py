@@ -177,8 +177,8 @@ def test_abort_keeps_the_functions_store_server_and_never_takes_a_port(monkeypat
 
     import torch.distributed as dist
 
-    from inprocess import user_rendezvous
-    from inprocess.sockets import listening_sockets
+    from inprocess.abort import rendezvous as user_rendezvous
+    from inprocess.abort.sockets import listening_sockets
 
     monkeypatch.setattr(user_rendezvous, "_baseline", set(user_rendezvous.socket_inodes()))
     port = free_port()

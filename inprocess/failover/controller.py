@@ -38,8 +38,7 @@ from typing import Any
 
 from ..security import keyed_namespace
 from . import policy
-from .backends import Backend, WorkerLaunch
-from .backends.local import LocalBackend, process_start_time, read_exit_record
+from .backends import DEFAULT_BACKEND, Backend, WorkerLaunch, create_backend
 from .policy import (
     Action,
     Decision,
@@ -55,6 +54,7 @@ from .policy import (
     WorkerExited,
     WorkerReported,
 )
+from .processes import process_start_time
 from .state import JobState, Stage, StateStore, WorkerStatus
 from .store_server import StoreServer, start_store_server
 
@@ -84,10 +84,6 @@ def controller_pid_path(state_dir: Path) -> Path:
     return state_dir / "controller.pid"
 
 
-def exits_dir(state_dir: Path) -> Path:
-    return state_dir / "exits"
-
-
 def namespace(job_id: str, generation: int) -> str:
     """Store namespace of a generation's Wrapper keys (``INPROCESS_STORE_NAMESPACE``).
 
@@ -104,7 +100,7 @@ class Controller:
         self.states = StateStore(state_dir)
         self.state: JobState = self.states.load()
         self.spec = self.state.spec
-        self.backend: Backend = backend or LocalBackend(exits_dir(state_dir))
+        self.backend: Backend = backend or create_backend(DEFAULT_BACKEND, state_dir)
         self.server: StoreServer | None = None
         self._client: Any = None
         self._reported: set[str] = set()
@@ -318,7 +314,8 @@ class Controller:
             record = self.state.workers.get(worker)
             if record is not None and record.incarnation == incarnation:
                 restartable = not reason.startswith(_ABORT_PREFIX)
-                if restartable and process_start_time(record.pid or -1) != record.pid_start_time:
+                alive = self.backend.running(record.pid or -1, record.pid_start_time)
+                if restartable and not alive:
                     # Its process is gone: the backend collects its exit, which
                     # says more (the status or signal) and leads to the same action.
                     continue
@@ -514,7 +511,7 @@ class Controller:
             log.warning(
                 "worker %d (pid %d) ended while the controller was down", worker, record.pid
             )
-            ended = read_exit_record(exits_dir(self.state_dir), record.pid)
+            ended = self.backend.exit_of(record.pid)
             event = WorkerExited(worker, record.incarnation, ended.exit_code, ended.signal)
             lost.append((worker, event))
         store = self.state.store

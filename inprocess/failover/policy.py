@@ -76,7 +76,7 @@ from collections.abc import Collection
 from typing import NamedTuple
 
 from .spec import JobSpec
-from .state import JobState, Stage, WorkerRecord, WorkerStatus, failure_key
+from .state import FailureKey, JobState, Stage, WorkerRecord, WorkerStatus, failure_key
 
 __all__ = [
     "FAILURE_EXIT_CODE",
@@ -879,7 +879,7 @@ def check_state(state: JobState) -> list[str]:
 
     for key in state.handled_failures:
         try:
-            w, inc = (int(part) for part in key.split(":"))
+            w, inc = FailureKey.parse(key)
         except ValueError:
             add(f"handled failure {key!r} is not 'worker:incarnation'")
             continue

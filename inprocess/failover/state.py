@@ -30,7 +30,7 @@ import math
 import os
 import tempfile
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from .spec import JobSpec, SpecError
 
@@ -39,6 +39,7 @@ __all__ = [
     "MAX_EVENTS",
     "STATE_FILENAME",
     "VERSION",
+    "FailureKey",
     "JobState",
     "Stage",
     "StateError",
@@ -113,9 +114,31 @@ class StateExistsError(StateError):
     """A new job was created in a state directory that already holds a state."""
 
 
+class FailureKey(NamedTuple):
+    """Identity of one failure: the incarnation of a worker that failed.
+
+    Stored in :attr:`JobState.handled_failures` (and the state file) as the text
+    ``"worker:incarnation"``; :meth:`encode` and :meth:`parse` are its one codec.
+    """
+
+    worker: int
+    incarnation: int
+
+    def encode(self) -> str:
+        return f"{self.worker}:{self.incarnation}"
+
+    @classmethod
+    def parse(cls, text: str) -> FailureKey:
+        """The key ``text`` encodes; ``ValueError`` unless it is ``"<int>:<int>"`` (digits)."""
+        parts = text.split(":")
+        if len(parts) != 2 or not all(p.isascii() and p.isdigit() for p in parts):
+            raise ValueError(f"a failure key looks like 'worker:incarnation', got {text!r}")
+        return cls(int(parts[0]), int(parts[1]))
+
+
 def failure_key(worker: int, incarnation: int) -> str:
-    """Identity of one failure in :attr:`JobState.handled_failures`: ``"worker:incarnation"``."""
-    return f"{worker}:{incarnation}"
+    """The stored form of :class:`FailureKey` ``(worker, incarnation)``."""
+    return FailureKey(worker, incarnation).encode()
 
 
 @dataclasses.dataclass
@@ -251,9 +274,9 @@ def _record_to_dict(record: WorkerRecord) -> dict[str, Any]:
     return data
 
 
-def _failure_sort_key(key: str) -> tuple[int, ...] | tuple[int, str]:
+def _failure_sort_key(key: str) -> tuple[int, int] | tuple[int, str]:
     try:
-        return tuple(int(p) for p in key.split(":"))
+        return FailureKey.parse(key)
     except ValueError:
         return (-1, key)
 
@@ -402,11 +425,12 @@ class _Reader:
 
         handled = self.list_(get("handled_failures"), "handled_failures")
         for i, key in enumerate(handled):
-            parts = self.str_(key, f"handled_failures[{i}]").split(":")
-            if len(parts) != 2 or not all(p.isascii() and p.isdigit() for p in parts):
+            try:
+                FailureKey.parse(self.str_(key, f"handled_failures[{i}]"))
+            except ValueError:
                 raise self.fail(
                     f"field handled_failures[{i}] must look like 'worker:incarnation', got {key!r}"
-                )
+                ) from None
         wrapper_managed = get("wrapper_managed")
         if wrapper_managed is not None and not isinstance(wrapper_managed, bool):
             raise self.fail(

@@ -28,8 +28,8 @@ from pathlib import Path
 import psutil
 
 from . import policy
-from .backends.local import write_exit_record
-from .controller import controller_pid_path, exits_dir, signal_exit_code
+from .backends import DEFAULT_BACKEND, Backend, create_backend
+from .controller import controller_pid_path, signal_exit_code
 from .state import Stage, StateError, StateStore
 
 log = logging.getLogger(__name__)
@@ -181,6 +181,8 @@ class Supervisor:
         self.controller_args = controller_args
         self.run_token = run_token
         self.states = StateStore(state_dir)
+        #: records how the job's orphans ended, for the next controller
+        self.backend: Backend = create_backend(DEFAULT_BACKEND, state_dir)
         self.controller: subprocess.Popen[bytes] | None = None
         self.guard: subprocess.Popen[bytes] | None = None
         self._lifeline: int | None = None
@@ -314,7 +316,7 @@ class Supervisor:
                 self.guard.returncode = os.waitstatus_to_exitcode(status)
                 continue
             # An orphaned worker or store server of a dead controller.
-            write_exit_record(exits_dir(self.state_dir), reaped, status)
+            self.backend.record_exit(reaped, status)
 
     def _forward(self, signum: int, frame: object) -> None:
         """Ctrl-C, SIGTERM or SIGHUP: the controller stops the job and records why."""
@@ -340,17 +342,8 @@ class Supervisor:
                 with contextlib.suppress(ChildProcessError):
                     os.waitpid(pid, os.WNOHANG)
             time.sleep(0.01)
-        remove_exit_records(self.state_dir)
-
-
-def remove_exit_records(state_dir: Path) -> None:
-    """The exit records of a finished job are of no use to anyone."""
-    directory = exits_dir(state_dir)
-    with contextlib.suppress(FileNotFoundError):
-        for entry in os.scandir(directory):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(entry.path)
-        os.rmdir(directory)
+        self.backend.clear_exit_records()
+        self.backend.close()
 
 
 def _kill_if_still_stopped(pid: int, grace: float) -> int | None:

@@ -3,7 +3,8 @@
 Nodes are simulated: a node is a set of workers sharing a slot label. Process
 death is observed directly through pidfds, for children and for workers that
 an earlier controller started (after a controller crash they are orphans; the
-supervisor reaps them and records how they ended in ``exits_dir``).
+supervisor reaps them and the backend records how they ended, see
+:meth:`LocalBackend.record_exit`).
 """
 
 from __future__ import annotations
@@ -18,27 +19,13 @@ import subprocess
 import time
 from pathlib import Path
 
+from ..processes import process_start_time
 from . import ProcessExit, WorkerLaunch
 
 log = logging.getLogger(__name__)
 
 #: how long to wait for the supervisor's record of an orphan's exit status
 EXIT_RECORD_WAIT = 2.0
-
-
-def process_start_time(pid: int) -> float | None:
-    """Start time of ``pid`` in clock ticks since boot, or ``None`` if it does not exist.
-
-    Together with the pid it identifies a process: a reused pid has another start time.
-    """
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    if fields[0] == "Z":
-        return None
-    return float(fields[19])
 
 
 def exit_record_path(exits_dir: Path, pid: int) -> Path:
@@ -76,8 +63,8 @@ def read_exit_record(exits_dir: Path, pid: int) -> ProcessExit:
 class LocalBackend:
     """Worker processes of this machine, each in its own session and process group."""
 
-    def __init__(self, exits_dir: Path) -> None:
-        self.exits_dir = exits_dir
+    def __init__(self, state_dir: Path) -> None:
+        self.exits_dir = state_dir / "exits"  # the exit records of reaped orphans
         self._children: dict[int, subprocess.Popen[bytes]] = {}
         self._pidfds: dict[int, int] = {}
         self._poller = select.poll()
@@ -93,6 +80,9 @@ class LocalBackend:
         self._watch(process.pid)
         start_time = process_start_time(process.pid)
         return process.pid, start_time if start_time is not None else 0.0
+
+    def running(self, pid: int, start_time: float | None) -> bool:
+        return process_start_time(pid) == start_time
 
     def attach(self, pid: int, start_time: float) -> bool:
         if process_start_time(pid) != start_time:
@@ -149,7 +139,21 @@ class LocalBackend:
             code = child.wait()
             return ProcessExit(pid, code if code >= 0 else None, -code if code < 0 else None)
         # An orphan from an earlier controller: the supervisor reaps it and records it.
+        return self.exit_of(pid)
+
+    def exit_of(self, pid: int) -> ProcessExit:
         return read_exit_record(self.exits_dir, pid)
+
+    def record_exit(self, pid: int, status: int) -> None:
+        write_exit_record(self.exits_dir, pid, status)
+
+    def clear_exit_records(self) -> None:
+        """Removes the exit records directory (the job is over)."""
+        with contextlib.suppress(FileNotFoundError):
+            for entry in os.scandir(self.exits_dir):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)
+            os.rmdir(self.exits_dir)
 
     def close(self) -> None:
         for pid in list(self._pidfds):

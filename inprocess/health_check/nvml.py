@@ -1,168 +1,16 @@
-"""Health check: decides, locally, whether this rank may take part in the next iteration.
-
-A :class:`HealthCheck` runs on each rank after a fault (after abort and
-finalize) and before the first iteration. It looks only at this rank: other
-ranks may be dead or still running. It reports an unhealthy rank by raising,
-preferably :class:`inprocess.exception.HealthCheckError`; the Wrapper then
-removes the rank from the job. Health checks chain with :class:`inprocess.Compose`.
-"""
+"""NVML health check: asks the NVIDIA driver whether the rank's GPU needs attention."""
 
 from __future__ import annotations
 
-import abc
-import datetime
 import logging
 import os
 from typing import Any
 
-import torch
-
-from .exception import HealthCheckError
-from .exception import TimeoutError as RestartTimeoutError
-from .monitor_thread import RankShouldRestart
-from .state import State
-from .timeouts import call_with_timeout
+from ..exception import HealthCheckError
+from ..state import State
+from .base import HealthCheck, env_local_rank
 
 log = logging.getLogger(__name__)
-
-
-class HealthCheck(abc.ABC):
-    """Base class of the ``health_check`` argument of :class:`inprocess.Wrapper`.
-
-    ``__call__(state, train_ex=None)`` returns ``(state, train_ex)`` when the
-    rank is healthy and raises when it is not. ``train_ex`` is the exception that
-    ended the wrapped function on this rank, if any. The Wrapper uses a returned
-    ``State`` (alone or first in a tuple) and ignores any other return value.
-
-    Run at the start of an iteration (``train_ex=None``), a failing check is a
-    fault of that iteration and every rank restarts; run after a fault, it ends
-    this rank with a :class:`~inprocess.exception.HealthCheckError` whose
-    ``__cause__`` is ``train_ex``.
-    """
-
-    @abc.abstractmethod
-    def __call__(
-        self, state: State, train_ex: BaseException | None = None
-    ) -> tuple[State, BaseException | None]:
-        raise NotImplementedError
-
-
-def _check_timeout(timeout: object) -> datetime.timedelta:
-    if not isinstance(timeout, datetime.timedelta):
-        raise TypeError(f"timeout must be a datetime.timedelta, got {timeout!r}")
-    if timeout.total_seconds() <= 0:
-        raise ValueError(f"timeout must be positive, got {timeout}")
-    return timeout
-
-
-def _local_rank() -> int | None:
-    value = os.environ.get("LOCAL_RANK")
-    if value is None or value == "":
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        log.warning("ignoring LOCAL_RANK=%r: not an integer", value)
-        return None
-
-
-class CudaHealthCheck(HealthCheck):
-    """Waits for this rank's GPU to drain its work, under a timeout.
-
-    ``torch.cuda.synchronize()`` returns once every kernel queued by the failed
-    iteration has finished, and raises if the CUDA context is corrupted (a
-    sticky error such as an illegal memory access). A GPU that does not drain
-    within ``timeout`` (a kernel stuck forever) makes the rank unhealthy.
-
-    The device is the one of ``LOCAL_RANK`` when set and visible, else the
-    current device. A process that never initialized CUDA has nothing queued:
-    the check passes without touching (and initializing) CUDA.
-    """
-
-    def __init__(self, timeout: datetime.timedelta = datetime.timedelta(seconds=30)) -> None:
-        self.timeout = _check_timeout(timeout)
-
-    def __repr__(self) -> str:
-        return f"CudaHealthCheck(timeout={self.timeout!r})"
-
-    @staticmethod
-    def _device() -> int:
-        local_rank = _local_rank()
-        if local_rank is not None and 0 <= local_rank < torch.cuda.device_count():
-            return local_rank
-        return torch.cuda.current_device()
-
-    def __call__(
-        self, state: State, train_ex: BaseException | None = None
-    ) -> tuple[State, BaseException | None]:
-        if not torch.cuda.is_initialized() or not torch.cuda.is_available():
-            log.debug("CUDA is not initialized in this process: nothing to check")
-            return state, train_ex
-        try:
-            device = self._device()
-        except Exception as ex:
-            raise HealthCheckError(f"cannot select the CUDA device to check: {ex}") from ex
-        try:
-            call_with_timeout(
-                lambda: torch.cuda.synchronize(device),
-                self.timeout.total_seconds(),
-                "inprocess-cuda-health",
-            )
-        except RestartTimeoutError as ex:
-            raise HealthCheckError(
-                f"CUDA device {device}: torch.cuda.synchronize() did not finish within "
-                f"{self.timeout.total_seconds():.3g}s (the GPU is hung or overloaded)"
-            ) from ex
-        except Exception as ex:
-            raise HealthCheckError(
-                f"CUDA device {device}: torch.cuda.synchronize() failed: {ex}"
-            ) from ex
-        log.debug("CUDA device %d synchronized", device)
-        return state, train_ex
-
-
-class FaultCounterExceeded(HealthCheckError):
-    """This rank failed more often than ``FaultCounter.max_rank_faults`` allows."""
-
-
-class FaultCounter(HealthCheck):
-    """Counts the faults of this rank and declares it unhealthy past a limit.
-
-    A fault of this rank is a call with ``train_ex`` set to an exception of the
-    wrapped function. The restart signal
-    (:class:`inprocess.monitor_thread.RankShouldRestart`), which interrupts
-    every rank when any rank fails, is not this rank's fault and is not counted.
-    With ``max_rank_faults=N``, the ``N+1``-th fault raises
-    :class:`FaultCounterExceeded`; ``None`` counts without a limit. The count
-    lasts for the life of the instance, across restart iterations.
-    """
-
-    def __init__(self, max_rank_faults: int | None = None) -> None:
-        if max_rank_faults is not None and (
-            not isinstance(max_rank_faults, int) or isinstance(max_rank_faults, bool)
-        ):
-            raise TypeError(f"max_rank_faults must be an int >= 0 or None, got {max_rank_faults!r}")
-        if max_rank_faults is not None and max_rank_faults < 0:
-            raise ValueError(f"max_rank_faults must be >= 0 or None, got {max_rank_faults}")
-        self.max_rank_faults = max_rank_faults
-        self.faults_count = 0
-
-    def __repr__(self) -> str:
-        return f"FaultCounter(max_rank_faults={self.max_rank_faults})"
-
-    def __call__(
-        self, state: State, train_ex: BaseException | None = None
-    ) -> tuple[State, BaseException | None]:
-        if train_ex is None or isinstance(train_ex, RankShouldRestart):
-            return state, train_ex
-        self.faults_count += 1
-        log.debug("rank %s: fault %d (%r)", state.rank, self.faults_count, train_ex)
-        if self.max_rank_faults is not None and self.faults_count > self.max_rank_faults:
-            raise FaultCounterExceeded(
-                f"rank {state.rank} (initial rank {state.initial_rank}) had "
-                f"{self.faults_count} faults, more than max_rank_faults={self.max_rank_faults}"
-            ) from train_ex
-        return state, train_ex
 
 
 # NVML return codes that mean "this query cannot be answered here" rather than
@@ -232,7 +80,7 @@ class NVMLHealthCheck(HealthCheck):
     def _cuda_index(self) -> int:
         if self.device_index is not None:
             return self.device_index
-        local_rank = _local_rank()
+        local_rank = env_local_rank()
         return local_rank if local_rank is not None else 0
 
     def __call__(

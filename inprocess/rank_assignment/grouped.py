@@ -1,156 +1,19 @@
-"""Rank assignment: gives the surviving ranks a gap-free numbering after a fault.
-
-After a restart iteration ends, some ranks of that iteration may be dead,
-unhealthy or otherwise unable to continue (``terminated_ranks``, numbered as in
-the iteration that just ended). A :class:`RankAssignment` runs on every rank and
-computes, from the same inputs, the same new world size and a new rank for each
-survivor, so that the next iteration again sees ranks ``0 .. world_size-1``.
-
-Two kinds of assignment exist and are chained with :class:`inprocess.Compose`
-(the last listed runs first):
-
-* filters (:class:`FilterGroupedByKey`) add ranks to the terminated set and
-  leave the numbering alone;
-* final assignments (:class:`ShiftRanks`, :class:`FillGaps`) renumber the
-  survivors and return an empty set: nothing is left to handle.
-
-A rank that finds itself among the terminated ranks raises
-:class:`RankDiscarded`; the Wrapper then removes it from the job.
-"""
+"""A filter assignment: terminates whole groups of ranks (a node, a rack)."""
 
 from __future__ import annotations
 
-import abc
-import bisect
 import collections
 import datetime
 import itertools
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
-from .exception import InternalError, RestartError
-from .state import State
-from .store import StoreMixin
+from ..exception import InternalError
+from ..state import State
+from ..store import StoreMixin
+from .base import RankAssignment, RankDiscarded, _checked
 
 log = logging.getLogger(__name__)
-
-
-class RankDiscarded(RestartError):
-    """This rank is among the terminated ranks and takes no part in the next iteration."""
-
-
-class RankAssignment(abc.ABC):
-    """Base class of the ``rank_assignment`` argument of :class:`inprocess.Wrapper`.
-
-    ``__call__(state, terminated_ranks)`` receives the state of the iteration
-    that just ended (``state.rank`` and ``state.world_size`` in that iteration's
-    numbering) and the ranks of that iteration that must not continue. It returns
-    the (possibly updated) state and the terminated ranks that are still
-    unhandled: a final assignment returns an empty set, a filter returns the set
-    it received, possibly enlarged.
-
-    Every rank must reach the same decision from the same inputs; an assignment
-    may exchange rank-local facts through ``state.store``.
-    """
-
-    @abc.abstractmethod
-    def __call__(self, state: State, terminated_ranks: set[int]) -> tuple[State, set[int]]:
-        raise NotImplementedError
-
-
-def _checked(state: State, terminated_ranks: Iterable[int]) -> list[int]:
-    """``terminated_ranks`` sorted, checked against ``state.world_size``.
-
-    Raises :class:`RankDiscarded` when ``state.rank`` is among them.
-    """
-    if isinstance(terminated_ranks, (str, bytes)) or not isinstance(terminated_ranks, Iterable):
-        raise TypeError(
-            f"terminated_ranks must be a set of ints, got {type(terminated_ranks).__name__}"
-        )
-    if not isinstance(terminated_ranks, (set, frozenset)):
-        terminated_ranks = set(terminated_ranks)
-    try:
-        ordered = sorted(terminated_ranks)
-    except TypeError as ex:
-        raise TypeError(f"terminated_ranks must hold ints: {ex}") from None
-    if ordered:
-        low, high = ordered[0], ordered[-1]
-        if not isinstance(low, int) or not isinstance(high, int):
-            raise TypeError(f"terminated_ranks must hold ints, got {ordered[:8]}")
-        if low < 0 or high >= state.world_size:
-            raise ValueError(
-                f"terminated_ranks must be in [0, {state.world_size}) (the world size of the "
-                f"iteration that ended), got {low if low < 0 else high}"
-            )
-        position = bisect.bisect_left(ordered, state.rank)
-        if position < len(ordered) and ordered[position] == state.rank:
-            raise RankDiscarded(f"rank {state.rank} of world size {state.world_size} is terminated")
-    return ordered
-
-
-def _assign(state: State, new_rank: int, new_world_size: int) -> None:
-    log.debug("rank %s/%s -> %s/%s", state.rank, state.world_size, new_rank, new_world_size)
-    state.rank = new_rank
-    state.world_size = new_world_size
-    # Everybody is active until a rank filter says otherwise; keeps the state
-    # consistent (active_world_size <= world_size) between assignment and filter.
-    state.active_world_size = new_world_size
-
-
-class ShiftRanks(RankAssignment):
-    """Closes the gaps left by terminated ranks by shifting survivors down.
-
-    Survivors keep their relative order; the new world size is the old one less
-    the number of terminated ranks. Example, 8 ranks with ``{1, 4, 5}`` terminated::
-
-        old rank   0  1  2  3  4  5  6  7
-        new rank   0  x  1  2  x  x  3  4
-
-    Simple and order-preserving, but every rank above the first gap changes its
-    rank (and so, often, its data shard or pipeline stage).
-    """
-
-    def __call__(self, state: State, terminated_ranks: set[int]) -> tuple[State, set[int]]:
-        terminated = _checked(state, terminated_ranks)
-        below = bisect.bisect_left(terminated, state.rank)
-        _assign(state, state.rank - below, state.world_size - len(terminated))
-        return state, set()
-
-    def __repr__(self) -> str:
-        return "ShiftRanks()"
-
-
-class FillGaps(RankAssignment):
-    """Moves the highest survivors into the gaps; every other rank keeps its number.
-
-    With ``n`` the new world size, survivors below ``n`` keep their rank, and the
-    survivors at ``n`` or above fill, in ascending order, the gaps below ``n``
-    (lowest gap gets the lowest moved rank). Example, 8 ranks with ``{1, 4, 5}``
-    terminated (``n = 5``)::
-
-        old rank   0  1  2  3  4  5  6  7
-        new rank   0  x  2  3  x  x  1  4
-
-    Fewer ranks change than with :class:`ShiftRanks`, at the cost of order.
-    """
-
-    def __call__(self, state: State, terminated_ranks: set[int]) -> tuple[State, set[int]]:
-        terminated = _checked(state, terminated_ranks)
-        new_world_size = state.world_size - len(terminated)
-        rank = state.rank
-        if rank < new_world_size:
-            new_rank = rank
-        else:
-            # The survivors at or above new_world_size are exactly as many as the
-            # gaps below it: both equal the number of terminated ranks below it.
-            split = bisect.bisect_left(terminated, new_world_size)
-            high_below = bisect.bisect_left(terminated, rank) - split
-            new_rank = terminated[rank - new_world_size - high_below]
-        _assign(state, new_rank, new_world_size)
-        return state, set()
-
-    def __repr__(self) -> str:
-        return "FillGaps()"
 
 
 class FilterGroupedByKey(RankAssignment):

@@ -1,44 +1,30 @@
-"""Abort: stop whatever the wrapped function is blocked in, from another thread.
-
-``Abort`` instances run in the monitor thread while the main thread may still
-be blocked (in a collective, typically), and again in the main thread on the
-restart path; they must therefore be idempotent and thread-safe.
-"""
+"""The default abort: releases and destroys every ``torch.distributed`` group."""
 
 from __future__ import annotations
 
-import abc
 import logging
 import threading
 
-from .state import State
+from ..state import State
+from .base import Abort
+from .gloo import release_blocked_collectives
+from .rendezvous import hold_iteration_servers, release_iteration_connections
 
 log = logging.getLogger(__name__)
-
-
-class Abort(abc.ABC):
-    """Base class of the ``abort`` argument of :class:`inprocess.Wrapper`.
-
-    Compose several with :class:`inprocess.Compose`.
-    """
-
-    @abc.abstractmethod
-    def __call__(self, state: State) -> State:
-        raise NotImplementedError
 
 
 class AbortTorchDistributed(Abort):
     """Aborts every ``torch.distributed`` process group, then destroys them.
 
     * gloo: the group's own pair connections are shut down (see
-      :mod:`inprocess.gloo_abort`), which releases blocked collectives at once.
+      :mod:`inprocess.abort.gloo`), which releases blocked collectives at once.
     * NCCL: the backend's ``abort()`` (``_shutdown()`` on older torch) stops
       pending kernels and communicators.
     * Anything else of this iteration blocked on the network (a group still
       initializing, reading a peer's address from the store; a ``TCPStore``
       the function built, waiting for its workers or for a key): the
       client-side connections the function opened in this iteration are shut
-      down (see :mod:`inprocess.user_rendezvous`).
+      down (see :mod:`inprocess.abort.rendezvous`).
 
     Then ``destroy_process_group()`` frees the groups so that the next iteration
     can initialize new ones, and the group counter that names default groups is
@@ -53,9 +39,6 @@ class AbortTorchDistributed(Abort):
 
     def __call__(self, state: State) -> State:
         import torch.distributed as dist
-
-        from .gloo_abort import release_blocked_collectives
-        from .user_rendezvous import hold_iteration_servers, release_iteration_connections
 
         # Order matters: the gloo release reads the peers' addresses through the
         # group's store connection, which the rendezvous release then breaks.

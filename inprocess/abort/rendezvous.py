@@ -59,8 +59,8 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from ..store import AGENT_STORE_ENV, PrefixStore, TCPStore
 from .sockets import listening_sockets, shutdown_connections, socket_inodes, tcp_connections
-from .store import AGENT_STORE_ENV, PrefixStore, TCPStore
 
 log = logging.getLogger(__name__)
 

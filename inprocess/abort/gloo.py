@@ -19,7 +19,7 @@ user's sockets are never touched.
 Never touch the listening socket: gloo's accept loop treats an error there as
 fatal and terminates the process (only established connections are listed).
 The connections are shut down with the fd-reuse safe helpers of
-:mod:`inprocess.sockets`.
+:mod:`inprocess.abort.sockets`.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ import struct
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from .exception import TimeoutError as RestartTimeoutError
+from ..exception import TimeoutError as RestartTimeoutError
+from ..timeouts import call_with_timeout
 from .sockets import Address, TcpConnection, shutdown_connections, tcp_connections
-from .timeouts import call_with_timeout
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,37 @@
+"""Rank assignment: gives the surviving ranks a gap-free numbering after a fault.
+
+After a restart iteration ends, some ranks of that iteration may be dead,
+unhealthy or otherwise unable to continue (``terminated_ranks``, numbered as in
+the iteration that just ended). A :class:`RankAssignment` runs on every rank and
+computes, from the same inputs, the same new world size and a new rank for each
+survivor, so that the next iteration again sees ranks ``0 .. world_size-1``.
+
+Two kinds of assignment exist and are chained with :class:`inprocess.Compose`
+(the last listed runs first):
+
+* filters (:class:`FilterGroupedByKey`) add ranks to the terminated set and
+  leave the numbering alone;
+* final assignments (:class:`ShiftRanks`, :class:`FillGaps`) renumber the
+  survivors and return an empty set: nothing is left to handle.
+
+A rank that finds itself among the terminated ranks raises
+:class:`RankDiscarded`; the Wrapper then removes it from the job.
+
+Rank filters (:mod:`.filter`, public as :mod:`inprocess.rank_filter`) then
+decide how many of the renumbered ranks are active.
+
+Modules: :mod:`.base` (the base class), :mod:`.renumber` (final assignments),
+:mod:`.grouped` (group filter), :mod:`.filter` (rank filters).
+"""
+
+from .base import RankAssignment, RankDiscarded
+from .grouped import FilterGroupedByKey
+from .renumber import FillGaps, ShiftRanks
+
+__all__ = [
+    "FillGaps",
+    "FilterGroupedByKey",
+    "RankAssignment",
+    "RankDiscarded",
+    "ShiftRanks",
+]
