@@ -15,8 +15,9 @@ The loop of one call, as in the seed::
         else:
             return
 
-The distributed protocol (barriers, faults, terminated ranks) lives in
-:mod:`inprocess.store`; interrupting the function lives in
+The distributed protocol lives in :mod:`inprocess.protocol` (its keys and its
+decisions, as pure functions) and :mod:`inprocess.store` (barriers and
+rendezvous over the store); interrupting the function lives in
 :mod:`inprocess.monitor_thread`; the hard timeout and dead-rank detection live in
 :mod:`inprocess.monitor_process`.
 """
@@ -29,7 +30,6 @@ import datetime
 import functools
 import inspect
 import itertools
-import json
 import logging
 import os
 import pathlib
@@ -44,6 +44,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from . import monitor_thread as _mt
+from . import protocol
 from .abort import Abort, AbortTorchDistributed
 from .compose import Compose
 from .exception import HealthCheckError, InternalError, StoreError
@@ -77,7 +78,7 @@ _call_counter = itertools.count()
 
 #: set on a store server that a rank hosts (never on a launcher's): such a
 #: server lives for one call only, see CallWrapper._open_store
-_RANK_HOSTED_KEY = "inprocess/rank_hosted"
+_RANK_HOSTED_KEY = protocol.RANK_HOSTED
 
 
 # The poll interval of barriers inside the restart procedure: short waits that
@@ -557,14 +558,16 @@ class CallWrapper:
     def _start(self, cleanup: contextlib.ExitStack) -> None:
         w = self.wrapper
         seconds = _seconds(w)
-        self.namespace = f"inprocess/{job_namespace()}/call{next(_call_counter)}"
+        role, call = protocol.role_namespace(job_namespace()), next(_call_counter)
+        self.namespace = protocol.call_namespace(role, call)
         raw = self._open_store(seconds["barrier_timeout"])
         cleanup.callback(self._release_store)
         cleanup.callback(release_held_servers)
         cleanup.callback(self._wait_for_exit_if_hosting, raw)
         self.store = PrefixStore(self.namespace, raw)
-        # Tells a job controller that this role recovers in-process (role level).
-        raw.set(f"{self.namespace.rsplit('/', 1)[0]}/wrapped", "1")
+        # Tells a job controller that this role recovers in-process (role level),
+        # and which call the job is on.
+        raw.announce_call(role, call)
 
         board = ProgressBoard()
         cleanup.callback(board.close)
@@ -652,7 +655,7 @@ class CallWrapper:
         so is a new server reached before its host marked it.
         """
         w = self.wrapper
-        marker = f"{self.namespace}/hosted"
+        marker = f"{self.namespace}/{protocol.HOSTED}"
         deadline = time.monotonic() + timeout
         poller = _poller(0.05)
         for attempt in itertools.count():
@@ -703,7 +706,7 @@ class CallWrapper:
         finished = getattr(self, "_finished_iteration", None)
         if not getattr(raw, "is_master", False) or finished is None:
             return
-        key = f"iter/{finished.index}/exit"
+        key = protocol.iteration_key(finished.index, "exit")
         deadline = time.monotonic() + self._seconds["completion_timeout"]
         while self.store.counter(key) < len(finished.members) and time.monotonic() < deadline:
             time.sleep(0.005)
@@ -714,7 +717,7 @@ class CallWrapper:
         """All launched ranks meet; returns their identities ordered by initial rank."""
         s = self.state
         arrived = self.store.counted_barrier(
-            "initial",
+            protocol.INITIAL,
             self.identity,
             s.initial_world_size,
             _td(self._seconds["barrier_timeout"]),
@@ -745,30 +748,30 @@ class CallWrapper:
         """
         w = self.wrapper
         for attempt in itertools.count():
-            name = f"iter/{iteration}/barrier/{attempt}"
-            value, assigned = "join", self.state.copy()
+            name = protocol.iteration_key(iteration, f"barrier/{attempt}")
+            value, assigned = protocol.JOIN, self.state.copy()
             if previous is not None:
                 value, assigned = self._assign_rank(previous, prev_members, terminated, name)
             participants = [m for m in prev_members if m not in terminated] + joiners
-            decision = json.loads(
+            decision = protocol.decode_membership(
                 self.store.rendezvous(
                     name,
                     self.identity,
                     participants,
-                    value,
+                    value.encode(),
                     _td(self._seconds["barrier_timeout"]),
                     functools.partial(_decide_membership, self.store),
                     self._restart_poll,
                 )
             )
-            if "error" in decision:
-                raise InternalError(f"iteration {iteration}: {decision['error']}")
-            if "retry" in decision:
-                dead = set(decision["retry"])
+            if isinstance(decision, protocol.Failed):
+                raise InternalError(f"iteration {iteration}: {decision.error}")
+            if isinstance(decision, protocol.Retry):
+                dead = set(decision.terminated)
                 terminated = terminated | dead
                 joiners = [j for j in joiners if j not in dead]
                 continue
-            members: list[str] = decision["members"]
+            members = list(decision.members)
             if self.identity not in members:
                 self.store.mark_left(self.identity)
                 raise RankDiscarded(f"rank {self.identity} was discarded by the rank assignment")
@@ -791,12 +794,12 @@ class CallWrapper:
                 s.world_size,
                 s.mode.value,
             )
-            return _Iteration(iteration, members, int(decision["baseline"]))
+            return _Iteration(iteration, members, decision.baseline)
         raise AssertionError("unreachable")
 
     def _assign_rank(
         self, previous: State, prev_members: list[str], terminated: set[str], name: str
-    ) -> tuple[str, State]:
+    ) -> tuple[protocol.Arrival, State]:
         """This rank's new state per the user's rank assignment, and its barrier value.
 
         The value is the new rank, or ``discard`` when the assignment drops this rank.
@@ -808,19 +811,19 @@ class CallWrapper:
             state, unhandled = self.wrapper.rank_assignment(state, terminated_ranks)
             self._track(state)
         except RankDiscarded:
-            return "discard", previous
+            return protocol.DISCARD, previous
         except RestartTimeoutError as ex:
             # A rank died during an exchange inside the assignment (e.g.
             # FilterGroupedByKey): the barrier decides whether to retry without it.
             log.warning("%s: rank assignment timed out: %s", self.identity, str(ex))
-            return "timeout", previous
+            return protocol.TIMEOUT, previous
         except Exception:
             self._terminate_self("rank assignment failed")
             raise
         if unhandled:
             self._terminate_self("rank assignment left terminated ranks unhandled")
             raise InternalError(f"rank assignment left terminated ranks {unhandled} unhandled")
-        return str(state.rank), state
+        return protocol.Arrival("rank", state.rank), state
 
     def _termination_barrier(self, current: _Iteration) -> tuple[set[str], list[str]]:
         """Every member arrives or is terminated; returns who is out and who joins next."""
@@ -828,18 +831,15 @@ class CallWrapper:
 
         def decide(arrivals: dict[str, str], terminated: set[str], baseline: int) -> str:
             gone = store.terminated() | store.left()
-            joiners = [
-                j for j in store.join_requests() if j not in current.members and j not in gone
-            ]
-            joiners.sort(key=lambda j: (initial_rank_of(j), j))
+            requests = store.join_requests()
             cause = _root_cause(store, current.baseline)
-            return json.dumps(
-                {"terminated": sorted(terminated), "joiners": joiners, "cause": cause}
+            return protocol.encode(
+                protocol.decide_termination(terminated, current.members, requests, gone, cause)
             )
 
-        decision = json.loads(
+        decision = protocol.decode_termination(
             store.rendezvous(
-                f"iter/{current.index}/termination",
+                protocol.iteration_key(current.index, "termination"),
                 self.identity,
                 current.members,
                 "",
@@ -848,8 +848,8 @@ class CallWrapper:
                 self._restart_poll,
             )
         )
-        self._restart_cause = decision.get("cause")
-        return set(decision["terminated"]), list(decision["joiners"])
+        self._restart_cause = decision.cause
+        return set(decision.terminated), list(decision.joiners)
 
     def _completion_barrier(self, current: _Iteration) -> None:
         """Waits until every member finished; a fault meanwhile raises ``RankShouldRestart``.
@@ -859,22 +859,22 @@ class CallWrapper:
         deadline starts when the first active rank finishes.
         """
         store = self.store
-        key = f"iter/{current.index}/completion"
+        key = protocol.iteration_key(current.index, "completion")
         active = self.state.mode == Mode.ACTIVE
         if active:
             store.add(f"{key}/active", 1)
         arrived = int(store.add(key, 1))
         if arrived == len(current.members):
-            proposal = "fault" if store.fault_count() > current.baseline else "completed"
+            proposal = protocol.completion_outcome(store.fault_count(), current.baseline)
             store.decide_outcome(current.index, proposal)
         timeout = self._seconds["completion_timeout"]
         deadline = time.monotonic() + timeout if active else None
         poller = _poller(self._seconds["monitor_thread_interval"])
         while True:
             outcome = store.outcome(current.index)
-            if outcome == "completed":
+            if outcome == protocol.COMPLETED:
                 return
-            if outcome == "fault":
+            if outcome == protocol.FAULT:
                 raise _mt.exception_with_message(RankShouldRestart, "fault at completion")()
             if deadline is None:
                 if store.counter(f"{key}/active") > 0:
@@ -954,7 +954,7 @@ class CallWrapper:
             # cause is logged once the termination barrier has seen them all.
             log.info("%s: iteration %d failed: %s", self.identity, s.iteration, repr(ex))
             self.store.record_fault(self.identity, f"{type(ex).__name__}: {ex}")
-            self.store.decide_outcome(s.iteration, "fault")
+            self.store.decide_outcome(s.iteration, protocol.FAULT)
         else:
             # KeyboardInterrupt, SystemExit, RestartAbort, ...: this rank leaves.
             self._terminate_self(f"{type(ex).__name__}: {ex}")
@@ -980,9 +980,9 @@ class CallWrapper:
             "%s: restarted iteration %d; root cause: rank %s%s: %s",
             self.identity,
             self.state.iteration,
-            root["rank"],
-            " (this rank)" if root["rank"] == self.identity else "",
-            root["reason"],
+            root.rank,
+            " (this rank)" if root.rank == self.identity else "",
+            root.reason,
         )
 
     @contextlib.contextmanager
@@ -1049,7 +1049,7 @@ class CallWrapper:
 
     def _joining(self) -> bool:
         """Whether the job already started without this process (it was relaunched)."""
-        return bool(self.store.check(["initial/done"]))
+        return bool(self.store.check([protocol.done_key(protocol.INITIAL)]))
 
     def _join(self) -> tuple[list[str], set[str], list[str], int] | None:
         """Asks to join and waits for the termination barrier that admits this rank."""
@@ -1061,22 +1061,22 @@ class CallWrapper:
         membership = store.membership()
         iteration = membership[0] if membership else 0
         while time.monotonic() < deadline:
-            done = store.get_or(f"iter/{iteration}/termination/done")
+            done = store.get_or(protocol.done_key(protocol.iteration_key(iteration, "termination")))
             if done:
-                decision = json.loads(done)
-                if self.identity in decision["joiners"]:
+                decision = protocol.decode_termination(done)
+                if protocol.admitted(decision, self.identity):
                     members = store.membership()
                     if members is None or members[0] != iteration:
                         raise InternalError(f"no membership published for iteration {iteration}")
                     return (
                         members[1],
-                        set(decision["terminated"]),
-                        decision["joiners"],
+                        set(decision.terminated),
+                        list(decision.joiners),
                         iteration + 1,
                     )
                 iteration += 1
                 continue
-            if store.outcome(iteration) == "completed":
+            if store.outcome(iteration) == protocol.COMPLETED:
                 log.warning("%s: the job completed before this rank could join", self.identity)
                 self._board.write_finished()
                 return None
@@ -1090,7 +1090,7 @@ class CallWrapper:
         self.store.mark_completed(self.identity, current.index)
         self._finished_iteration = current
         self._monitor_process.shutdown()
-        self.store.add(f"iter/{current.index}/exit", 1)
+        self.store.add(protocol.iteration_key(current.index, "exit"), 1)
 
 
 @dataclasses.dataclass
@@ -1106,75 +1106,32 @@ def _decide_membership(
     terminated: set[str],
     baseline: int,
 ) -> str:
-    """The iteration barrier's decision: the ordered membership, or a retry.
-
-    A join request not admitted yet counts as an unhandled fault (the baseline
-    is lowered by one), so the new iteration restarts at once and admits it:
-    the request may have come too late for the termination barrier, and its
-    fault may already be part of ``baseline``.
-    """
-    if terminated:
-        return json.dumps({"retry": sorted(terminated)})
-    timed_out = sorted(i for i, v in arrivals.items() if v == "timeout")
-    if timed_out:
-        return json.dumps({"error": f"rank assignment timed out on {timed_out}"})
-    slots: dict[int, str] = {}
-    admitted = []
-    for identity, value in arrivals.items():
-        if value == "discard":
-            continue
-        if value == "join":
-            admitted.append(identity)
-            continue
-        rank = int(value)
-        if rank in slots:
-            return json.dumps(
-                {"error": f"rank {rank} assigned to both {slots[rank]} and {identity}"}
-            )
-        slots[rank] = identity
-    if sorted(slots) != list(range(len(slots))):
-        return json.dumps({"error": f"assigned ranks {sorted(slots)} have gaps"})
-    members = [slots[r] for r in range(len(slots))]
-    members += sorted(admitted, key=lambda j: (initial_rank_of(j), j))
-    if not members:
-        return json.dumps({"error": "no rank is left"})
+    """The iteration barrier's decider: reads the call's joins, then decides
+    (:func:`inprocess.protocol.decide_membership`)."""
     gone = store.terminated() | store.left()
-    if any(j not in members and j not in gone for j in store.join_requests()):
-        baseline -= 1
-    return json.dumps({"members": members, "baseline": baseline})
+    decision = protocol.decide_membership(
+        {identity: protocol.Arrival.decode(v) for identity, v in arrivals.items()},
+        terminated,
+        baseline,
+        store.join_requests(),
+        gone,
+    )
+    return protocol.encode(decision)
 
 
-#: texts of errors that a rank's collective raises because of a peer's fault
-_DERIVED_ERRORS = (
-    "Connection closed by peer",
-    "Connection reset by peer",
-    "Broken pipe",
-    "DistNetworkError",
-)
-
-
-def _derived(reason: str) -> bool:
-    """Whether a recorded fault reads as the consequence of another rank's fault."""
-    return any(text in reason for text in _DERIVED_ERRORS)
-
-
-def _root_cause(store: StoreMixin, baseline: int) -> dict[str, Any] | None:
+def _root_cause(store: StoreMixin, baseline: int) -> protocol.RootCause | None:
     """The fault that started a restart, read once by the termination barrier's decider.
 
     At the barrier every fault of the iteration is in the fault log (one entry
     per increment of the fault counter, appended before it, so the entries
-    from ``baseline`` on are this iteration's, in order). The first one that is
-    not a communication error is the root cause: a survivor's "Connection
-    closed by peer" is derived, and may be recorded before the death that
-    caused it (which the dead rank's monitor process records).
+    from ``baseline`` on are this iteration's, in order); see
+    :func:`inprocess.protocol.root_cause`.
     """
     try:
         entries = store.fault_log()[baseline:]
     except Exception:
         return None
-    primary = [e for e in entries if not _derived(str(e.get("reason", "")))]
-    root = (primary or entries or [None])[0]
-    return None if root is None else {"rank": root["rank"], "reason": root["reason"]}
+    return protocol.root_cause(entries)
 
 
 def _seconds(w: Wrapper) -> dict[str, float]:

@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-from job_state import JobState  # noqa: E402
+from job_state import JobState
 
-import inprocess  # noqa: E402
+import inprocess
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=60)
