@@ -32,7 +32,6 @@ import inspect
 import itertools
 import logging
 import os
-import pathlib
 import re
 import threading
 import time
@@ -46,7 +45,7 @@ from typing import Any
 from . import monitor_thread as _mt
 from . import protocol
 from .abort import Abort, AbortTorchDistributed
-from .compose import Compose
+from .config import WrapperConfig
 from .exception import HealthCheckError, InternalError, StoreError
 from .exception import TimeoutError as RestartTimeoutError
 from .finalize import Finalize
@@ -87,12 +86,6 @@ _RANK_HOSTED_KEY = protocol.RANK_HOSTED
 _RESTART_POLL_LIMIT = 0.02
 
 
-def _compose_sequence(value: Any) -> Any:
-    if isinstance(value, (tuple, list)) and value and all(callable(v) for v in value):
-        return value[0] if len(value) == 1 else Compose(*value)
-    return value
-
-
 def _returned_state(result: Any, current: State) -> State:
     """The state a callback returned: a State, or the first item of a tuple; else ``current``."""
     if isinstance(result, State):
@@ -122,50 +115,6 @@ def _warn_if_logging_is_off() -> None:
             UserWarning,
             stacklevel=4,
         )
-
-
-def _check_type(name: str, value: Any, types_: tuple[type, ...] | type, allowed: str) -> None:
-    if not isinstance(value, types_):
-        raise TypeError(f"Wrapper({name}=...) must be {allowed}, got {value!r}")
-
-
-#: longest duration any timeout or interval may have: longer ones are mistakes
-#: (and overflow the waits of threads and of the store)
-MAX_DURATION = datetime.timedelta(days=30)
-
-
-def _check_store_kwargs(factory: type, kwargs: dict[str, Any]) -> None:
-    """Fails at construction what would fail only when the store is built (issue 9)."""
-    try:
-        params = inspect.signature(factory).parameters
-    except (TypeError, ValueError):  # a builtin without a signature: torch checks
-        params = None
-    if params is not None and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        allowed = [
-            n for n, p in params.items() if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
-        ]
-        unknown = sorted(k for k in kwargs if k not in allowed)
-        if unknown:
-            raise TypeError(
-                f"Wrapper(store_kwargs=...) has unknown key(s) {', '.join(map(repr, unknown))} "
-                f"for {factory.__name__}; allowed: {', '.join(allowed)}"
-            )
-    if "port" in kwargs and kwargs["port"] is not None:
-        port = kwargs["port"]
-        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-            raise ValueError(
-                "Wrapper(store_kwargs=...): 'port' must be an int in [0, 65535] "
-                f"(0: any free port), got {port!r}"
-            )
-    if "timeout" in kwargs:
-        timeout = kwargs["timeout"]
-        if isinstance(timeout, datetime.timedelta) and not (
-            datetime.timedelta(0) < timeout <= MAX_DURATION
-        ):
-            raise ValueError(
-                "Wrapper(store_kwargs=...): 'timeout' must be a datetime.timedelta in "
-                f"(0, {MAX_DURATION.days} days], got {timeout!r}"
-            )
 
 
 class Wrapper:
@@ -240,118 +189,22 @@ class Wrapper:
             abort = AbortTorchDistributed()
         if rank_assignment is _UNSET:
             rank_assignment = ShiftRanks()
-        # A tuple (or list) of callbacks is their composition; this also accepts
-        # the seed's ``rank_assignment=(Compose(...),)``.
-        initialize, abort, finalize, health_check, rank_assignment, rank_filter = (
-            _compose_sequence(c)
-            for c in (initialize, abort, finalize, health_check, rank_assignment, rank_filter)
-        )
-        if heartbeat_interval is None:
-            heartbeat_interval = monitor_process_interval
+        # Every argument by name: the config's fields are their one list, and
+        # it checks them all, once.
+        arguments = dict(locals())
+        del arguments["self"]
+        self.config = WrapperConfig.from_arguments(**arguments)
 
-        if not (isinstance(store_factory, type) and issubclass(store_factory, StoreMixin)):
-            raise TypeError(
-                "Wrapper(store_factory=...) must be a subclass of inprocess.store.StoreMixin, "
-                f"got {store_factory!r}"
-            )
-        _check_type("store_kwargs", store_kwargs, (dict, type(None)), "a dict or None")
-        store_kwargs = dict(store_kwargs or {})
-        if not all(isinstance(k, str) for k in store_kwargs):
-            raise TypeError(
-                "Wrapper(store_kwargs=...) must have str keys (argument names), "
-                f"got {store_kwargs!r}"
-            )
-        _check_store_kwargs(store_factory, store_kwargs)
-        _check_type("initialize", initialize, (Initialize, type(None)), "an Initialize or None")
-        _check_type("abort", abort, (Abort, type(None)), "an Abort or None")
-        _check_type("finalize", finalize, (Finalize, type(None)), "a Finalize or None")
-        _check_type(
-            "health_check", health_check, (HealthCheck, type(None)), "a HealthCheck or None"
-        )
-        _check_type("rank_assignment", rank_assignment, RankAssignment, "a RankAssignment")
-        _check_type("rank_filter", rank_filter, (RankFilter, type(None)), "a RankFilter or None")
-
-        durations = {
-            "monitor_thread_interval": monitor_thread_interval,
-            "monitor_process_interval": monitor_process_interval,
-            "progress_watchdog_interval": progress_watchdog_interval,
-            "soft_timeout": soft_timeout,
-            "hard_timeout": hard_timeout,
-            "heartbeat_timeout": heartbeat_timeout,
-            "heartbeat_interval": heartbeat_interval,
-            "barrier_timeout": barrier_timeout,
-            "completion_timeout": completion_timeout,
-            "last_call_wait": last_call_wait,
-            "termination_grace_time": termination_grace_time,
-        }
-        for name, value in durations.items():
-            _check_type(name, value, datetime.timedelta, "a datetime.timedelta")
-            may_be_zero = name in ("last_call_wait", "termination_grace_time")
-            if value.total_seconds() < 0 or (not may_be_zero and value.total_seconds() == 0):
-                bound = ">= 0" if may_be_zero else "> 0"
-                raise ValueError(f"Wrapper({name}=...) must be {bound}, got {value}")
-            if value > MAX_DURATION:
-                raise ValueError(
-                    f"Wrapper({name}=...) must be at most {MAX_DURATION.days} days, got {value}"
-                )
-
-        def require_less(a: str, b: str) -> None:
-            if not durations[a] < durations[b]:
-                raise ValueError(
-                    f"Wrapper({a}=...) must be shorter than {b}: got {a}={durations[a]}, "
-                    f"{b}={durations[b]}"
-                )
-
-        require_less("soft_timeout", "hard_timeout")
-        require_less("hard_timeout", "barrier_timeout")
-        require_less("heartbeat_timeout", "barrier_timeout")
-        require_less("monitor_process_interval", "heartbeat_timeout")
-        require_less("heartbeat_interval", "heartbeat_timeout")
-        require_less("monitor_thread_interval", "soft_timeout")
-        require_less("progress_watchdog_interval", "soft_timeout")
-
-        _check_type(
-            "monitor_process_logfile", monitor_process_logfile, (str, type(None)), "a str or None"
-        )
-        if monitor_process_logfile is not None:
-            if not pathlib.Path(monitor_process_logfile).is_absolute():
-                raise ValueError(
-                    "Wrapper(monitor_process_logfile=...) must be an absolute path, "
-                    f"got {monitor_process_logfile!r}"
-                )
-            try:
-                monitor_process_logfile.format(rank=0)
-            except (KeyError, IndexError, ValueError) as ex:
-                raise ValueError(
-                    "Wrapper(monitor_process_logfile=...) may only contain the {rank} "
-                    f"placeholder, got {monitor_process_logfile!r}"
-                ) from ex
-        _check_type("enabled", enabled, bool, "a bool")
-
-        self.store_factory = store_factory
-        self.store_kwargs = store_kwargs
-        self.initialize = initialize
-        self.abort = abort
-        self.finalize = finalize
-        self.health_check = health_check
-        self.rank_assignment = rank_assignment
-        self.rank_filter = rank_filter
-        self.monitor_thread_interval = monitor_thread_interval
-        self.monitor_process_interval = monitor_process_interval
-        self.progress_watchdog_interval = progress_watchdog_interval
-        self.soft_timeout = soft_timeout
-        self.hard_timeout = hard_timeout
-        self.heartbeat_timeout = heartbeat_timeout
-        self.heartbeat_interval = heartbeat_interval
-        self.barrier_timeout = barrier_timeout
-        self.completion_timeout = completion_timeout
-        self.last_call_wait = last_call_wait
-        self.termination_grace_time = termination_grace_time
-        self.monitor_process_logfile = monitor_process_logfile
-        self.enabled = enabled
+    def __getattr__(self, name: str) -> Any:
+        """The settings as attributes: ``wrapper.soft_timeout`` is a ``datetime.timedelta``
+        as given, ``wrapper.rank_assignment`` the (composed) callback, and so on."""
+        if name == "config":  # not set yet: __init__ failed
+            raise AttributeError(name)
+        value = getattr(self.config, name)
+        return _td(value) if name in WrapperConfig.durations() else value
 
     def __call__(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        if not self.enabled:
+        if not self.config.enabled:
             return fn
         if not callable(fn):
             raise TypeError(f"Wrapper can only wrap a callable, got {fn!r}")
@@ -444,12 +297,26 @@ class CallWrapper:
 
     def __init__(self, wrapper: Wrapper) -> None:
         self.wrapper = wrapper
+        self._config = wrapper.config
         #: every State that may hold this call's store (weakly), see _release_store
         self._states: list[weakref.ref[State]] = []
         self.state = State()
+        self.identity = new_identity(self.state.initial_rank, incarnation_from_env())
         self._lock = threading.RLock()
+        # Set up by _start (the call's resources, released by its cleanup):
+        self.namespace = ""
+        self.store: PrefixStore | None = None
+        self._board: ProgressBoard | None = None
+        self._monitor_process: MonitorProcess | None = None
         self._watchdog: ProgressWatchdog | None = None
+        self._interrupt: InterruptSignal | None = None
         self._monitor: MonitorThread | None = None
+        # polls of the barriers inside the restart procedure
+        self._restart_poll = min(_RESTART_POLL_LIMIT, self._config.monitor_thread_interval)
+        # Set as the call goes: the root cause of the latest restart (termination
+        # barrier), and the iteration the call completed in (_finish).
+        self._restart_cause: protocol.RootCause | None = None
+        self._finished_iteration: _Iteration | None = None
 
     # ---------------------------------------------------------------- public controls
 
@@ -509,7 +376,6 @@ class CallWrapper:
                 "torch.distributed.destroy_process_group() before calling it"
             )
         _warn_if_logging_is_off()
-        self.identity = new_identity(self.state.initial_rank, incarnation_from_env())
         try:
             return self._run(fn, args, kwargs)
         except BaseException as ex:
@@ -556,11 +422,10 @@ class CallWrapper:
     # ---------------------------------------------------------------- setup / teardown
 
     def _start(self, cleanup: contextlib.ExitStack) -> None:
-        w = self.wrapper
-        seconds = _seconds(w)
+        c = self._config
         role, call = protocol.role_namespace(job_namespace()), next(_call_counter)
         self.namespace = protocol.call_namespace(role, call)
-        raw = self._open_store(seconds["barrier_timeout"])
+        raw = self._open_store(c.barrier_timeout)
         cleanup.callback(self._release_store)
         cleanup.callback(release_held_servers)
         cleanup.callback(self._wait_for_exit_if_hosting, raw)
@@ -577,36 +442,33 @@ class CallWrapper:
                 identity=self.identity,
                 initial_rank=self.state.initial_rank,
                 parent_pid=os.getpid(),
-                board_fd=-1,
-                control_fd=-1,
-                ready_fd=-1,
                 # Described by the store itself: the factory need not be picklable.
-                client=raw.client_spec() or ClientSpec(w.store_factory.client, w.store_kwargs),
+                client=raw.client_spec() or ClientSpec(c.store_factory.client, c.store_kwargs),
                 namespace=self.namespace,
-                interval=seconds["monitor_process_interval"],
-                heartbeat_interval=seconds["heartbeat_interval"],
-                heartbeat_timeout=seconds["heartbeat_timeout"],
-                hard_timeout=seconds["hard_timeout"],
-                termination_grace_time=seconds["termination_grace_time"],
-                logfile=w.monitor_process_logfile,
+                interval=c.monitor_process_interval,
+                heartbeat_interval=c.heartbeat_interval,
+                heartbeat_timeout=c.heartbeat_timeout,
+                hard_timeout=c.hard_timeout,
+                termination_grace_time=c.termination_grace_time,
+                logfile=c.monitor_process_logfile,
                 # A log file asked for gets at least the INFO lines.
                 log_level=min(
                     logging.getLogger("inprocess").getEffectiveLevel(),
-                    logging.INFO if w.monitor_process_logfile else logging.WARNING,
+                    logging.INFO if c.monitor_process_logfile else logging.WARNING,
                 ),
             ),
             board,
         )
-        monitor.start(timeout=seconds["barrier_timeout"])
+        monitor.start(timeout=c.barrier_timeout)
         cleanup.callback(monitor.shutdown)
         self._monitor_process = monitor
 
         on_main_thread = threading.current_thread() is threading.main_thread()
         self._watchdog = ProgressWatchdog(
-            seconds["progress_watchdog_interval"],
+            c.progress_watchdog_interval,
             board,
             automatic=on_main_thread,
-            soft_timeout=seconds["soft_timeout"],
+            soft_timeout=c.soft_timeout,
         )
         self._watchdog.start()
         cleanup.callback(self._watchdog.shutdown)
@@ -620,12 +482,12 @@ class CallWrapper:
             identity=self.identity,
             target_thread_id=threading.get_ident(),
             lock=self._lock,
-            interval=seconds["monitor_thread_interval"],
-            last_call_wait=seconds["last_call_wait"],
-            soft_timeout=seconds["soft_timeout"],
+            interval=c.monitor_thread_interval,
+            last_call_wait=c.last_call_wait,
+            soft_timeout=c.soft_timeout,
             stalled_for=self._watchdog.stalled_for,
             on_interrupt=self._watchdog.freeze,
-            abort=w.abort,
+            abort=c.abort,
             interrupt=self._interrupt,
         )
         self._monitor.start()
@@ -636,8 +498,6 @@ class CallWrapper:
         cleanup.enter_context(
             _restore_environment("RANK", "WORLD_SIZE", "TORCHELASTIC_USE_AGENT_STORE")
         )
-        self._seconds = seconds
-        self._restart_poll = min(_RESTART_POLL_LIMIT, seconds["monitor_thread_interval"])
 
     def _open_store(self, timeout: float) -> StoreMixin:
         """This call's store; never the server of an earlier call that is shutting down.
@@ -654,7 +514,7 @@ class CallWrapper:
         ``inprocess-run``) lives across calls, carries no mark and is used at once;
         so is a new server reached before its host marked it.
         """
-        w = self.wrapper
+        w = self._config
         marker = f"{self.namespace}/{protocol.HOSTED}"
         deadline = time.monotonic() + timeout
         poller = _poller(0.05)
@@ -703,11 +563,11 @@ class CallWrapper:
 
     def _wait_for_exit_if_hosting(self, raw: Any) -> None:
         """The rank hosting the store keeps it up until every rank has left."""
-        finished = getattr(self, "_finished_iteration", None)
+        finished = self._finished_iteration
         if not getattr(raw, "is_master", False) or finished is None:
             return
         key = protocol.iteration_key(finished.index, "exit")
-        deadline = time.monotonic() + self._seconds["completion_timeout"]
+        deadline = time.monotonic() + self._config.completion_timeout
         while self.store.counter(key) < len(finished.members) and time.monotonic() < deadline:
             time.sleep(0.005)
 
@@ -720,7 +580,7 @@ class CallWrapper:
             protocol.INITIAL,
             self.identity,
             s.initial_world_size,
-            _td(self._seconds["barrier_timeout"]),
+            _td(self._config.barrier_timeout),
             self._restart_poll,
         )
         members = sorted(arrived, key=initial_rank_of)
@@ -746,7 +606,7 @@ class CallWrapper:
         meet the joiners at a rendezvous; if a participant dies before it
         arrives, everyone recomputes without it (a new attempt).
         """
-        w = self.wrapper
+        w = self._config
         for attempt in itertools.count():
             name = protocol.iteration_key(iteration, f"barrier/{attempt}")
             value, assigned = protocol.JOIN, self.state.copy()
@@ -759,7 +619,7 @@ class CallWrapper:
                     self.identity,
                     participants,
                     value.encode(),
-                    _td(self._seconds["barrier_timeout"]),
+                    _td(self._config.barrier_timeout),
                     functools.partial(_decide_membership, self.store),
                     self._restart_poll,
                 )
@@ -808,7 +668,7 @@ class CallWrapper:
         state.store = PrefixStore(f"{name}/assignment", self.store)
         terminated_ranks = {prev_members.index(t) for t in terminated if t in prev_members}
         try:
-            state, unhandled = self.wrapper.rank_assignment(state, terminated_ranks)
+            state, unhandled = self._config.rank_assignment(state, terminated_ranks)
             self._track(state)
         except RankDiscarded:
             return protocol.DISCARD, previous
@@ -843,7 +703,7 @@ class CallWrapper:
                 self.identity,
                 current.members,
                 "",
-                _td(self._seconds["barrier_timeout"]),
+                _td(self._config.barrier_timeout),
                 decide,
                 self._restart_poll,
             )
@@ -867,9 +727,9 @@ class CallWrapper:
         if arrived == len(current.members):
             proposal = protocol.completion_outcome(store.fault_count(), current.baseline)
             store.decide_outcome(current.index, proposal)
-        timeout = self._seconds["completion_timeout"]
+        timeout = self._config.completion_timeout
         deadline = time.monotonic() + timeout if active else None
-        poller = _poller(self._seconds["monitor_thread_interval"])
+        poller = _poller(self._config.monitor_thread_interval)
         while True:
             outcome = store.outcome(current.index)
             if outcome == protocol.COMPLETED:
@@ -880,7 +740,7 @@ class CallWrapper:
                 if store.counter(f"{key}/active") > 0:
                     deadline = time.monotonic() + timeout
             elif time.monotonic() >= deadline:
-                reason = f"completion timeout ({self._seconds['completion_timeout']:.3g}s)"
+                reason = f"completion timeout ({self._config.completion_timeout:.3g}s)"
                 store.record_fault(self.identity, reason)
                 raise _mt.exception_with_message(RankShouldRestart, reason)()
             poller.sleep(deadline)
@@ -906,11 +766,11 @@ class CallWrapper:
         outcome = _Result()
         try:
             self._initialize()
-            if self.wrapper.health_check is not None:
+            if self._config.health_check is not None:
                 # A check failing here is a fault of this iteration: it takes the
                 # normal restart path (the check runs again after the fault).
                 self.state = _returned_state(
-                    self.wrapper.health_check(self.state, None), self.state
+                    self._config.health_check(self.state, None), self.state
                 )
             # initialize and the health check may have returned a new State.
             if self.state.mode == Mode.ACTIVE:
@@ -969,7 +829,7 @@ class CallWrapper:
         (gloo's "Connection closed by peer"): the termination barrier's decision
         names the root cause (see :func:`_root_cause`).
         """
-        root = getattr(self, "_restart_cause", None)
+        root = self._restart_cause
         if root is None:
             cause = f"{type(ex).__name__}: {ex}" if ex is not None else "unknown"
             log.warning(
@@ -999,23 +859,23 @@ class CallWrapper:
     # starting with one); anything else, ``None`` included, keeps the current state.
 
     def _initialize(self) -> None:
-        if self.wrapper.initialize is not None:
-            self.state = _returned_state(self.wrapper.initialize(self.state), self.state)
+        if self._config.initialize is not None:
+            self.state = _returned_state(self._config.initialize(self.state), self.state)
 
     def _abort(self) -> None:
-        if self.wrapper.abort is None:
+        if self._config.abort is None:
             return
         try:
-            self.state = _returned_state(self.wrapper.abort(self.state), self.state)
+            self.state = _returned_state(self._config.abort(self.state), self.state)
         except Exception:
             self._terminate_self("abort failed")
             raise
 
     def _finalize(self, ex: BaseException | None) -> None:
-        if self.wrapper.finalize is None:
+        if self._config.finalize is None:
             return
         try:
-            self.state = _returned_state(self.wrapper.finalize(self.state, ex), self.state)
+            self.state = _returned_state(self._config.finalize(self.state, ex), self.state)
         except BaseException as failure:
             self._terminate_self(f"finalize failed: {failure!r}")
             raise
@@ -1023,10 +883,10 @@ class CallWrapper:
     def _health_check(self, ex: BaseException | None) -> None:
         """The check after a fault: failing it ends this rank with a ``HealthCheckError``
         whose ``__cause__`` is ``ex``, the exception that ended the function here."""
-        if self.wrapper.health_check is None:
+        if self._config.health_check is None:
             return
         try:
-            self.state = _returned_state(self.wrapper.health_check(self.state, ex), self.state)
+            self.state = _returned_state(self._config.health_check(self.state, ex), self.state)
         except Exception as failure:
             self._terminate_self(f"health check failed: {failure!r}")
             if isinstance(failure, HealthCheckError) and failure.__cause__ in (None, ex):
@@ -1056,7 +916,7 @@ class CallWrapper:
         store = self.store
         store.request_join(self.identity)
         log.info("%s: asked to join the running job", self.identity)
-        deadline = time.monotonic() + self._seconds["barrier_timeout"] * 4
+        deadline = time.monotonic() + self._config.barrier_timeout * 4
         poller = _poller(self._restart_poll)
         membership = store.membership()
         iteration = membership[0] if membership else 0
@@ -1132,23 +992,6 @@ def _root_cause(store: StoreMixin, baseline: int) -> protocol.RootCause | None:
     except Exception:
         return None
     return protocol.root_cause(entries)
-
-
-def _seconds(w: Wrapper) -> dict[str, float]:
-    names = (
-        "monitor_thread_interval",
-        "monitor_process_interval",
-        "progress_watchdog_interval",
-        "soft_timeout",
-        "hard_timeout",
-        "heartbeat_timeout",
-        "heartbeat_interval",
-        "barrier_timeout",
-        "completion_timeout",
-        "last_call_wait",
-        "termination_grace_time",
-    )
-    return {name: getattr(w, name).total_seconds() for name in names}
 
 
 def _clear_own_frames(ex: BaseException) -> None:
