@@ -53,16 +53,14 @@ _SHUTDOWN = b"S"
 _READY = b"R"
 
 
-@dataclass
+@dataclass(frozen=True)
 class MonitorConfig:
-    """Everything the monitor process needs, sent pickled on its stdin."""
+    """What the monitor process watches and how, sent pickled on its stdin
+    (with the :class:`_Fds` it inherits, which exist only once it is started)."""
 
     identity: str
     initial_rank: int
     parent_pid: int
-    board_fd: int
-    control_fd: int
-    ready_fd: int
     #: how to reach the rank's store (a :class:`inprocess.store.ClientSpec`)
     client: Any
     namespace: str
@@ -74,6 +72,16 @@ class MonitorConfig:
     logfile: str | None
     log_level: int = logging.INFO
     env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Fds:
+    """The pipes a monitor process inherits: the progress board, the parent's
+    control pipe (EOF: the parent is gone) and the pipe it reports ready on."""
+
+    board: int
+    control: int
+    ready: int
 
 
 class _ForkedChild:
@@ -128,14 +136,12 @@ class MonitorProcess:
         """Starts the process and waits until it is connected to the store."""
         control_r, control_w = os.pipe()
         ready_r, ready_w = os.pipe()
-        self.config.board_fd = self.board.fd
-        self.config.control_fd = control_r
-        self.config.ready_fd = ready_w
+        fds = _Fds(board=self.board.fd, control=control_r, ready=ready_w)
         try:
             if fork_is_safe():
-                self._fork()
+                self._fork(fds)
             else:
-                self._spawn()
+                self._spawn(fds)
         except BaseException:
             os.close(control_w)
             os.close(ready_r)
@@ -154,23 +160,23 @@ class MonitorProcess:
                 f" (exit code {self.process.poll()})"
             )
 
-    def _fork(self) -> None:
-        keep = {self.config.board_fd, self.config.control_fd, self.config.ready_fd}
+    def _fork(self, fds: _Fds) -> None:
+        keep = {fds.board, fds.control, fds.ready}
         pid = os.fork()
         if pid == 0:  # the child: never returns
             code = 1
             try:
                 _sanitize_after_fork(keep)
-                code = run(self.config)
+                code = run(self.config, fds)
             finally:
                 os._exit(code)
         self.forked = True
         self.process = _ForkedChild(pid)
 
-    def _spawn(self) -> None:
+    def _spawn(self, fds: _Fds) -> None:
         try:
             # Before anything is started: a fresh interpreter learns everything from this.
-            payload = pickle.dumps(self.config)
+            payload = pickle.dumps((self.config, fds))
         except Exception as ex:
             raise TypeError(
                 "the monitor process must be started as a fresh interpreter here (other "
@@ -185,7 +191,7 @@ class MonitorProcess:
         process = subprocess.Popen(
             [sys.executable, "-m", "inprocess.monitor_process_main"],
             stdin=subprocess.PIPE,
-            pass_fds=(self.config.board_fd, self.config.control_fd, self.config.ready_fd),
+            pass_fds=(fds.board, fds.control, fds.ready),
             env=env,
             start_new_session=True,
             close_fds=True,
@@ -224,9 +230,10 @@ class MonitorProcess:
 class _Guardian:
     """The monitor process's loop; one instance per process."""
 
-    def __init__(self, config: MonitorConfig) -> None:
+    def __init__(self, config: MonitorConfig, fds: _Fds) -> None:
         self.config = config
-        self.board = ProgressBoard(config.board_fd)
+        self.control_fd = fds.control
+        self.board = ProgressBoard(fds.board)
         self.parent_fd = os.pidfd_open(config.parent_pid)
         self.store: Any = None
         self.kill_started: float | None = None
@@ -251,17 +258,17 @@ class _Guardian:
     def run(self) -> None:
         poller = select.poll()
         poller.register(self.parent_fd, select.POLLIN)
-        poller.register(self.config.control_fd, select.POLLIN)
+        poller.register(self.control_fd, select.POLLIN)
         while True:
             events = dict(poller.poll(self.config.interval * 1000))
-            if self.config.control_fd in events:
+            if self.control_fd in events:
                 data = b""
                 with contextlib.suppress(OSError):
-                    data = os.read(self.config.control_fd, 1)
+                    data = os.read(self.control_fd, 1)
                 if data == _SHUTDOWN:
                     log.info("rank %s done; monitor exits", self.config.identity)
                     return
-                poller.unregister(self.config.control_fd)  # EOF: the parent is exiting
+                poller.unregister(self.control_fd)  # EOF: the parent is exiting
             if self.parent_fd in events:
                 self.on_parent_exit()
                 return
@@ -409,17 +416,17 @@ def _sanitize_after_fork(keep: set[int]) -> None:
 
 def main() -> int:
     """Entry point of a monitor process started as a fresh interpreter."""
-    config: MonitorConfig = pickle.loads(sys.stdin.buffer.read())
-    return run(config)
+    config, fds = pickle.loads(sys.stdin.buffer.read())
+    return run(config, fds)
 
 
-def run(config: MonitorConfig) -> int:
+def run(config: MonitorConfig, fds: _Fds) -> int:
     """The monitor process's life: connect, report ready, watch until done."""
     # Lifecycle is driven by the parent (pipe, pidfd), not by terminal signals.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _configure_logging(config)
     try:
-        guardian = _Guardian(config)
+        guardian = _Guardian(config, fds)
     except ProcessLookupError:
         return 0  # the parent is already gone
     try:
@@ -427,8 +434,8 @@ def run(config: MonitorConfig) -> int:
     except Exception as ex:
         log.error("cannot connect to the store: %s", ex)
         return 1
-    os.write(config.ready_fd, _READY)
-    os.close(config.ready_fd)
+    os.write(fds.ready, _READY)
+    os.close(fds.ready)
     log.info("monitoring rank %s (pid %d)", config.identity, config.parent_pid)
     guardian.run()
     return 0

@@ -1,7 +1,9 @@
-"""The distributed store protocol of the Wrapper.
+"""The distributed store protocol of the Wrapper: its mechanics.
 
 Every rank (and every rank's monitor process) talks to one key-value store. This
-module defines the protocol on top of any ``torch.distributed.Store``:
+module implements the protocol on top of any ``torch.distributed.Store``; its
+key schema, its decisions and what a job controller reads of it are in
+:mod:`inprocess.protocol`:
 
 Identities
     A rank is identified by ``"<initial rank>/<token>"`` where the token is
@@ -40,7 +42,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import json
 import logging
 import os
 import time
@@ -51,6 +52,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from . import protocol as P
 from .exception import StoreError
 from .exception import TimeoutError as RestartTimeoutError
 from .security import bound_port, keyed_namespace, listen_fd
@@ -63,9 +65,6 @@ AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
 NAMESPACE_ENV = "INPROCESS_STORE_NAMESPACE"
 #: environment variable with the number of this process among the worker's starts
 INCARNATION_ENV = "INPROCESS_WORKER_INCARNATION"
-
-_SEP = ","
-
 
 def new_identity(initial_rank: int, incarnation: int = 0) -> str:
     """A process-unique identity: ``"<initial rank>/<incarnation>.<random>"``."""
@@ -119,8 +118,7 @@ def _to_str(value: bytes | str) -> str:
 
 
 def _split(value: bytes | str) -> list[str]:
-    text = _to_str(value)
-    return [item for item in text.split(_SEP) if item]
+    return P.split_identities(_to_str(value))
 
 
 class Poller:
@@ -193,21 +191,38 @@ class StoreMixin:
     def counter(self, key: str) -> int:
         return int(self.add(key, 0))
 
+    # ------------------------------------------------------------------ calls
+
+    def announce_call(self, role: str, call: int) -> None:
+        """Marks ``role`` as recovering in-process and raises its latest call to ``call``.
+
+        Called on the role's (unprefixed) store at the start of each call.
+        ``latest_call`` only grows (a compare-and-set loop): a relaunched process
+        that passes through earlier calls on its way to the job's current one
+        never lowers it, so a controller always reads the call the job is on.
+        """
+        self.set(f"{role}/{P.WRAPPED}", "1")
+        key = f"{role}/{P.LATEST_CALL}"
+        seen = ""
+        while not seen or int(seen) < call:
+            current = _to_str(self.compare_set(key, seen, str(call)))
+            if current == seen or current == str(call):
+                return
+            seen = current
+
     # ------------------------------------------------------------------ faults
 
     def fault_count(self) -> int:
         """Number of faults recorded in the job so far."""
-        return self.counter("faults")
+        return self.counter(P.FAULTS)
 
     def record_fault(self, identity: str, reason: str) -> int:
         """Records a fault attributed to ``identity``; returns the new count."""
-        entry = json.dumps({"rank": identity, "reason": reason[:500], "time": time.time()})
-        self.append("fault_log", entry + "\n")
-        return int(self.add("faults", 1))
+        self.append(P.FAULT_LOG, P.fault_entry(identity, reason, time.time()))
+        return int(self.add(P.FAULTS, 1))
 
     def fault_log(self) -> list[dict[str, Any]]:
-        text = self.get_or("fault_log")
-        return [json.loads(line) for line in text.splitlines() if line]
+        return P.parse_fault_log(self.get_or(P.FAULT_LOG))
 
     # ------------------------------------------------------------------ terminated / left ranks
 
@@ -217,53 +232,53 @@ class StoreMixin:
         Idempotent: several observers (the rank itself, its monitor process, a
         heartbeat watcher) may report the same rank; it is recorded once.
         """
-        won, _ = self.set_once(f"terminated/{identity}", uuid.uuid4().hex)
+        won, _ = self.set_once(P.per_identity(P.TERMINATED, identity), uuid.uuid4().hex)
         if won:
             # Order matters, see the module docstring: list first, counter second.
-            self.append("terminated", identity + _SEP)
-            self.add("terminated_epoch", 1)
-            self.record_fault(identity, f"terminated: {reason}")
+            self.append(P.TERMINATED, P.identity_record(identity))
+            self.add(P.TERMINATED_EPOCH, 1)
+            self.record_fault(identity, P.TERMINATED_PREFIX + reason)
         return won
 
     def terminated(self) -> set[str]:
-        return set(_split(self.get_or("terminated")))
+        return set(_split(self.get_or(P.TERMINATED)))
 
     def terminated_epoch(self) -> int:
-        return self.counter("terminated_epoch")
+        return self.counter(P.TERMINATED_EPOCH)
 
     def is_terminated(self, identity: str) -> bool:
-        return bool(self.check([f"terminated/{identity}"]))
+        return bool(self.check([P.per_identity(P.TERMINATED, identity)]))
 
     def mark_left(self, identity: str) -> None:
         """Records a clean departure (a discarded rank); not a fault."""
-        self.set(f"left/{identity}", "1")
-        self.append("left", identity + _SEP)
+        self.set(P.per_identity(P.LEFT, identity), "1")
+        self.append(P.LEFT, P.identity_record(identity))
 
     def left(self) -> set[str]:
-        return set(_split(self.get_or("left")))
+        return set(_split(self.get_or(P.LEFT)))
 
     # ------------------------------------------------------------------ joins
 
     def request_join(self, identity: str) -> None:
         """A new process asks to join a running job at its next restart."""
-        self.append("join_requests", identity + _SEP)
+        self.append(P.JOIN_REQUESTS, P.identity_record(identity))
         self.record_fault(identity, "join request")
 
     def join_requests(self) -> list[str]:
         seen: dict[str, None] = {}
-        for identity in _split(self.get_or("join_requests")):
+        for identity in _split(self.get_or(P.JOIN_REQUESTS)):
             seen.setdefault(identity)
         return list(seen)
 
     # ------------------------------------------------------------------ heartbeats
 
     def send_heartbeat(self, identity: str) -> int:
-        return int(self.add(f"heartbeat/{identity}", 1))
+        return int(self.add(P.per_identity("heartbeat", identity), 1))
 
     def heartbeats(self, identities: Sequence[str]) -> list[int]:
         if not identities:
             return []
-        keys = [f"heartbeat/{identity}" for identity in identities]
+        keys = [P.per_identity("heartbeat", identity) for identity in identities]
         present = [self.check([key]) for key in keys]
         values = self.multi_get([k for k, p in zip(keys, present, strict=True) if p])
         it = iter(values)
@@ -273,30 +288,30 @@ class StoreMixin:
 
     def publish_membership(self, iteration: int, members: Sequence[str]) -> None:
         """Makes the latest decided membership visible to monitors and joiners."""
-        self.set("membership", json.dumps({"iteration": iteration, "members": list(members)}))
+        self.set(P.MEMBERSHIP, P.Membership(iteration, tuple(members)).encode())
 
     def membership(self) -> tuple[int, list[str]] | None:
-        text = self.get_or("membership")
+        text = self.get_or(P.MEMBERSHIP)
         if not text:
             return None
-        data = json.loads(text)
-        return int(data["iteration"]), list(data["members"])
+        published = P.Membership.decode(text)
+        return published.iteration, list(published.members)
 
     # ------------------------------------------------------------------ outcome
 
     def outcome(self, iteration: int) -> str:
-        return self.get_or(f"iter/{iteration}/outcome")
+        return self.get_or(P.iteration_key(iteration, "outcome"))
 
     def decide_outcome(self, iteration: int, outcome: str) -> str:
         """Proposes ``"completed"`` or ``"fault"`` for ``iteration``; returns what stands."""
-        return _to_str(self.compare_set(f"iter/{iteration}/outcome", "", outcome))
+        return _to_str(self.compare_set(P.iteration_key(iteration, "outcome"), "", outcome))
 
     def mark_completed(self, identity: str, iteration: int) -> None:
         """Records that ``identity`` finished the job, so its exit is not a fault."""
-        self.set(f"completed/{identity}", str(iteration))
+        self.set(P.per_identity("completed", identity), str(iteration))
 
     def has_completed(self, identity: str) -> bool:
-        return bool(self.check([f"completed/{identity}"]))
+        return bool(self.check([P.per_identity("completed", identity)]))
 
     # ------------------------------------------------------------------ rendezvous
 
@@ -325,7 +340,7 @@ class StoreMixin:
             raise StoreError(f"{identity} is not a participant of rendezvous {name!r}")
         if "\n" in value:
             raise ValueError("rendezvous values must be single-line")
-        done_key = f"{name}/done"
+        done_key = P.done_key(name)
         # The last to arrive decides at once; waiters poll two keys: the
         # decision, and the terminated epoch (a death may complete the
         # rendezvous without its arrival).
@@ -408,8 +423,8 @@ class StoreMixin:
         Returns the identities of the arrived ranks in arrival order. Used once,
         for the initial barrier of a call.
         """
-        done_key = f"{name}/done"
-        self.append(f"{name}/arrivals", identity + _SEP)
+        done_key = P.done_key(name)
+        self.append(f"{name}/arrivals", P.identity_record(identity))
         arrived = int(self.add(f"{name}/count", 1))
         if arrived > count:
             raise BarrierOverflow(f"barrier {name!r}: {arrived} arrivals for {count}")

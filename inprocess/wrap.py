@@ -15,8 +15,9 @@ The loop of one call, as in the seed::
         else:
             return
 
-The distributed protocol (barriers, faults, terminated ranks) lives in
-:mod:`inprocess.store`; interrupting the function lives in
+The distributed protocol lives in :mod:`inprocess.protocol` (its keys and its
+decisions, as pure functions) and :mod:`inprocess.store` (barriers and
+rendezvous over the store); interrupting the function lives in
 :mod:`inprocess.monitor_thread`; the hard timeout and dead-rank detection live in
 :mod:`inprocess.monitor_process`.
 """
@@ -29,10 +30,8 @@ import datetime
 import functools
 import inspect
 import itertools
-import json
 import logging
 import os
-import pathlib
 import re
 import threading
 import time
@@ -44,9 +43,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from . import monitor_thread as _mt
+from . import protocol
 from .abort import Abort, AbortTorchDistributed
 from .abort.rendezvous import fresh_env_rendezvous, release_held_servers
-from .compose import Compose
+from .config import WrapperConfig
 from .exception import HealthCheckError, InternalError, StoreError
 from .exception import TimeoutError as RestartTimeoutError
 from .finalize import Finalize
@@ -77,19 +77,13 @@ _call_counter = itertools.count()
 
 #: set on a store server that a rank hosts (never on a launcher's): such a
 #: server lives for one call only, see CallWrapper._open_store
-_RANK_HOSTED_KEY = "inprocess/rank_hosted"
+_RANK_HOSTED_KEY = protocol.RANK_HOSTED
 
 
 # The poll interval of barriers inside the restart procedure: short waits that
 # everybody is blocked on, so they poll fast, backing off up to this (or up to
 # monitor_thread_interval when that is shorter).
 _RESTART_POLL_LIMIT = 0.02
-
-
-def _compose_sequence(value: Any) -> Any:
-    if isinstance(value, (tuple, list)) and value and all(callable(v) for v in value):
-        return value[0] if len(value) == 1 else Compose(*value)
-    return value
 
 
 def _returned_state(result: Any, current: State) -> State:
@@ -121,50 +115,6 @@ def _warn_if_logging_is_off() -> None:
             UserWarning,
             stacklevel=4,
         )
-
-
-def _check_type(name: str, value: Any, types_: tuple[type, ...] | type, allowed: str) -> None:
-    if not isinstance(value, types_):
-        raise TypeError(f"Wrapper({name}=...) must be {allowed}, got {value!r}")
-
-
-#: longest duration any timeout or interval may have: longer ones are mistakes
-#: (and overflow the waits of threads and of the store)
-MAX_DURATION = datetime.timedelta(days=30)
-
-
-def _check_store_kwargs(factory: type, kwargs: dict[str, Any]) -> None:
-    """Fails at construction what would fail only when the store is built (issue 9)."""
-    try:
-        params = inspect.signature(factory).parameters
-    except (TypeError, ValueError):  # a builtin without a signature: torch checks
-        params = None
-    if params is not None and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        allowed = [
-            n for n, p in params.items() if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
-        ]
-        unknown = sorted(k for k in kwargs if k not in allowed)
-        if unknown:
-            raise TypeError(
-                f"Wrapper(store_kwargs=...) has unknown key(s) {', '.join(map(repr, unknown))} "
-                f"for {factory.__name__}; allowed: {', '.join(allowed)}"
-            )
-    if "port" in kwargs and kwargs["port"] is not None:
-        port = kwargs["port"]
-        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-            raise ValueError(
-                "Wrapper(store_kwargs=...): 'port' must be an int in [0, 65535] "
-                f"(0: any free port), got {port!r}"
-            )
-    if "timeout" in kwargs:
-        timeout = kwargs["timeout"]
-        if isinstance(timeout, datetime.timedelta) and not (
-            datetime.timedelta(0) < timeout <= MAX_DURATION
-        ):
-            raise ValueError(
-                "Wrapper(store_kwargs=...): 'timeout' must be a datetime.timedelta in "
-                f"(0, {MAX_DURATION.days} days], got {timeout!r}"
-            )
 
 
 class Wrapper:
@@ -239,118 +189,22 @@ class Wrapper:
             abort = AbortTorchDistributed()
         if rank_assignment is _UNSET:
             rank_assignment = ShiftRanks()
-        # A tuple (or list) of callbacks is their composition; this also accepts
-        # the seed's ``rank_assignment=(Compose(...),)``.
-        initialize, abort, finalize, health_check, rank_assignment, rank_filter = (
-            _compose_sequence(c)
-            for c in (initialize, abort, finalize, health_check, rank_assignment, rank_filter)
-        )
-        if heartbeat_interval is None:
-            heartbeat_interval = monitor_process_interval
+        # Every argument by name: the config's fields are their one list, and
+        # it checks them all, once.
+        arguments = dict(locals())
+        del arguments["self"]
+        self.config = WrapperConfig.from_arguments(**arguments)
 
-        if not (isinstance(store_factory, type) and issubclass(store_factory, StoreMixin)):
-            raise TypeError(
-                "Wrapper(store_factory=...) must be a subclass of inprocess.store.StoreMixin, "
-                f"got {store_factory!r}"
-            )
-        _check_type("store_kwargs", store_kwargs, (dict, type(None)), "a dict or None")
-        store_kwargs = dict(store_kwargs or {})
-        if not all(isinstance(k, str) for k in store_kwargs):
-            raise TypeError(
-                "Wrapper(store_kwargs=...) must have str keys (argument names), "
-                f"got {store_kwargs!r}"
-            )
-        _check_store_kwargs(store_factory, store_kwargs)
-        _check_type("initialize", initialize, (Initialize, type(None)), "an Initialize or None")
-        _check_type("abort", abort, (Abort, type(None)), "an Abort or None")
-        _check_type("finalize", finalize, (Finalize, type(None)), "a Finalize or None")
-        _check_type(
-            "health_check", health_check, (HealthCheck, type(None)), "a HealthCheck or None"
-        )
-        _check_type("rank_assignment", rank_assignment, RankAssignment, "a RankAssignment")
-        _check_type("rank_filter", rank_filter, (RankFilter, type(None)), "a RankFilter or None")
-
-        durations = {
-            "monitor_thread_interval": monitor_thread_interval,
-            "monitor_process_interval": monitor_process_interval,
-            "progress_watchdog_interval": progress_watchdog_interval,
-            "soft_timeout": soft_timeout,
-            "hard_timeout": hard_timeout,
-            "heartbeat_timeout": heartbeat_timeout,
-            "heartbeat_interval": heartbeat_interval,
-            "barrier_timeout": barrier_timeout,
-            "completion_timeout": completion_timeout,
-            "last_call_wait": last_call_wait,
-            "termination_grace_time": termination_grace_time,
-        }
-        for name, value in durations.items():
-            _check_type(name, value, datetime.timedelta, "a datetime.timedelta")
-            may_be_zero = name in ("last_call_wait", "termination_grace_time")
-            if value.total_seconds() < 0 or (not may_be_zero and value.total_seconds() == 0):
-                bound = ">= 0" if may_be_zero else "> 0"
-                raise ValueError(f"Wrapper({name}=...) must be {bound}, got {value}")
-            if value > MAX_DURATION:
-                raise ValueError(
-                    f"Wrapper({name}=...) must be at most {MAX_DURATION.days} days, got {value}"
-                )
-
-        def require_less(a: str, b: str) -> None:
-            if not durations[a] < durations[b]:
-                raise ValueError(
-                    f"Wrapper({a}=...) must be shorter than {b}: got {a}={durations[a]}, "
-                    f"{b}={durations[b]}"
-                )
-
-        require_less("soft_timeout", "hard_timeout")
-        require_less("hard_timeout", "barrier_timeout")
-        require_less("heartbeat_timeout", "barrier_timeout")
-        require_less("monitor_process_interval", "heartbeat_timeout")
-        require_less("heartbeat_interval", "heartbeat_timeout")
-        require_less("monitor_thread_interval", "soft_timeout")
-        require_less("progress_watchdog_interval", "soft_timeout")
-
-        _check_type(
-            "monitor_process_logfile", monitor_process_logfile, (str, type(None)), "a str or None"
-        )
-        if monitor_process_logfile is not None:
-            if not pathlib.Path(monitor_process_logfile).is_absolute():
-                raise ValueError(
-                    "Wrapper(monitor_process_logfile=...) must be an absolute path, "
-                    f"got {monitor_process_logfile!r}"
-                )
-            try:
-                monitor_process_logfile.format(rank=0)
-            except (KeyError, IndexError, ValueError) as ex:
-                raise ValueError(
-                    "Wrapper(monitor_process_logfile=...) may only contain the {rank} "
-                    f"placeholder, got {monitor_process_logfile!r}"
-                ) from ex
-        _check_type("enabled", enabled, bool, "a bool")
-
-        self.store_factory = store_factory
-        self.store_kwargs = store_kwargs
-        self.initialize = initialize
-        self.abort = abort
-        self.finalize = finalize
-        self.health_check = health_check
-        self.rank_assignment = rank_assignment
-        self.rank_filter = rank_filter
-        self.monitor_thread_interval = monitor_thread_interval
-        self.monitor_process_interval = monitor_process_interval
-        self.progress_watchdog_interval = progress_watchdog_interval
-        self.soft_timeout = soft_timeout
-        self.hard_timeout = hard_timeout
-        self.heartbeat_timeout = heartbeat_timeout
-        self.heartbeat_interval = heartbeat_interval
-        self.barrier_timeout = barrier_timeout
-        self.completion_timeout = completion_timeout
-        self.last_call_wait = last_call_wait
-        self.termination_grace_time = termination_grace_time
-        self.monitor_process_logfile = monitor_process_logfile
-        self.enabled = enabled
+    def __getattr__(self, name: str) -> Any:
+        """The settings as attributes: ``wrapper.soft_timeout`` is a ``datetime.timedelta``
+        as given, ``wrapper.rank_assignment`` the (composed) callback, and so on."""
+        if name == "config":  # not set yet: __init__ failed
+            raise AttributeError(name)
+        value = getattr(self.config, name)
+        return _td(value) if name in WrapperConfig.durations() else value
 
     def __call__(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        if not self.enabled:
+        if not self.config.enabled:
             return fn
         if not callable(fn):
             raise TypeError(f"Wrapper can only wrap a callable, got {fn!r}")
@@ -443,12 +297,26 @@ class CallWrapper:
 
     def __init__(self, wrapper: Wrapper) -> None:
         self.wrapper = wrapper
+        self._config = wrapper.config
         #: every State that may hold this call's store (weakly), see _release_store
         self._states: list[weakref.ref[State]] = []
         self.state = State()
+        self.identity = new_identity(self.state.initial_rank, incarnation_from_env())
         self._lock = threading.RLock()
+        # Set up by _start (the call's resources, released by its cleanup):
+        self.namespace = ""
+        self.store: PrefixStore | None = None
+        self._board: ProgressBoard | None = None
+        self._monitor_process: MonitorProcess | None = None
         self._watchdog: ProgressWatchdog | None = None
+        self._interrupt: InterruptSignal | None = None
         self._monitor: MonitorThread | None = None
+        # polls of the barriers inside the restart procedure
+        self._restart_poll = min(_RESTART_POLL_LIMIT, self._config.monitor_thread_interval)
+        # Set as the call goes: the root cause of the latest restart (termination
+        # barrier), and the iteration the call completed in (_finish).
+        self._restart_cause: protocol.RootCause | None = None
+        self._finished_iteration: _Iteration | None = None
 
     # ---------------------------------------------------------------- public controls
 
@@ -508,7 +376,6 @@ class CallWrapper:
                 "torch.distributed.destroy_process_group() before calling it"
             )
         _warn_if_logging_is_off()
-        self.identity = new_identity(self.state.initial_rank, incarnation_from_env())
         try:
             return self._run(fn, args, kwargs)
         except BaseException as ex:
@@ -555,16 +422,17 @@ class CallWrapper:
     # ---------------------------------------------------------------- setup / teardown
 
     def _start(self, cleanup: contextlib.ExitStack) -> None:
-        w = self.wrapper
-        seconds = _seconds(w)
-        self.namespace = f"inprocess/{job_namespace()}/call{next(_call_counter)}"
-        raw = self._open_store(seconds["barrier_timeout"])
+        c = self._config
+        role, call = protocol.role_namespace(job_namespace()), next(_call_counter)
+        self.namespace = protocol.call_namespace(role, call)
+        raw = self._open_store(c.barrier_timeout)
         cleanup.callback(self._release_store)
         cleanup.callback(release_held_servers)
         cleanup.callback(self._wait_for_exit_if_hosting, raw)
         self.store = PrefixStore(self.namespace, raw)
-        # Tells a job controller that this role recovers in-process (role level).
-        raw.set(f"{self.namespace.rsplit('/', 1)[0]}/wrapped", "1")
+        # Tells a job controller that this role recovers in-process (role level),
+        # and which call the job is on.
+        raw.announce_call(role, call)
 
         board = ProgressBoard()
         cleanup.callback(board.close)
@@ -574,36 +442,33 @@ class CallWrapper:
                 identity=self.identity,
                 initial_rank=self.state.initial_rank,
                 parent_pid=os.getpid(),
-                board_fd=-1,
-                control_fd=-1,
-                ready_fd=-1,
                 # Described by the store itself: the factory need not be picklable.
-                client=raw.client_spec() or ClientSpec(w.store_factory.client, w.store_kwargs),
+                client=raw.client_spec() or ClientSpec(c.store_factory.client, c.store_kwargs),
                 namespace=self.namespace,
-                interval=seconds["monitor_process_interval"],
-                heartbeat_interval=seconds["heartbeat_interval"],
-                heartbeat_timeout=seconds["heartbeat_timeout"],
-                hard_timeout=seconds["hard_timeout"],
-                termination_grace_time=seconds["termination_grace_time"],
-                logfile=w.monitor_process_logfile,
+                interval=c.monitor_process_interval,
+                heartbeat_interval=c.heartbeat_interval,
+                heartbeat_timeout=c.heartbeat_timeout,
+                hard_timeout=c.hard_timeout,
+                termination_grace_time=c.termination_grace_time,
+                logfile=c.monitor_process_logfile,
                 # A log file asked for gets at least the INFO lines.
                 log_level=min(
                     logging.getLogger("inprocess").getEffectiveLevel(),
-                    logging.INFO if w.monitor_process_logfile else logging.WARNING,
+                    logging.INFO if c.monitor_process_logfile else logging.WARNING,
                 ),
             ),
             board,
         )
-        monitor.start(timeout=seconds["barrier_timeout"])
+        monitor.start(timeout=c.barrier_timeout)
         cleanup.callback(monitor.shutdown)
         self._monitor_process = monitor
 
         on_main_thread = threading.current_thread() is threading.main_thread()
         self._watchdog = ProgressWatchdog(
-            seconds["progress_watchdog_interval"],
+            c.progress_watchdog_interval,
             board,
             automatic=on_main_thread,
-            soft_timeout=seconds["soft_timeout"],
+            soft_timeout=c.soft_timeout,
         )
         self._watchdog.start()
         cleanup.callback(self._watchdog.shutdown)
@@ -617,12 +482,12 @@ class CallWrapper:
             identity=self.identity,
             target_thread_id=threading.get_ident(),
             lock=self._lock,
-            interval=seconds["monitor_thread_interval"],
-            last_call_wait=seconds["last_call_wait"],
-            soft_timeout=seconds["soft_timeout"],
+            interval=c.monitor_thread_interval,
+            last_call_wait=c.last_call_wait,
+            soft_timeout=c.soft_timeout,
             stalled_for=self._watchdog.stalled_for,
             on_interrupt=self._watchdog.freeze,
-            abort=w.abort,
+            abort=c.abort,
             interrupt=self._interrupt,
         )
         self._monitor.start()
@@ -633,8 +498,6 @@ class CallWrapper:
         cleanup.enter_context(
             _restore_environment("RANK", "WORLD_SIZE", "TORCHELASTIC_USE_AGENT_STORE")
         )
-        self._seconds = seconds
-        self._restart_poll = min(_RESTART_POLL_LIMIT, seconds["monitor_thread_interval"])
 
     def _open_store(self, timeout: float) -> StoreMixin:
         """This call's store; never the server of an earlier call that is shutting down.
@@ -651,8 +514,8 @@ class CallWrapper:
         ``inprocess-run``) lives across calls, carries no mark and is used at once;
         so is a new server reached before its host marked it.
         """
-        w = self.wrapper
-        marker = f"{self.namespace}/hosted"
+        w = self._config
+        marker = f"{self.namespace}/{protocol.HOSTED}"
         deadline = time.monotonic() + timeout
         poller = _poller(0.05)
         for attempt in itertools.count():
@@ -700,11 +563,11 @@ class CallWrapper:
 
     def _wait_for_exit_if_hosting(self, raw: Any) -> None:
         """The rank hosting the store keeps it up until every rank has left."""
-        finished = getattr(self, "_finished_iteration", None)
+        finished = self._finished_iteration
         if not getattr(raw, "is_master", False) or finished is None:
             return
-        key = f"iter/{finished.index}/exit"
-        deadline = time.monotonic() + self._seconds["completion_timeout"]
+        key = protocol.iteration_key(finished.index, "exit")
+        deadline = time.monotonic() + self._config.completion_timeout
         while self.store.counter(key) < len(finished.members) and time.monotonic() < deadline:
             time.sleep(0.005)
 
@@ -714,10 +577,10 @@ class CallWrapper:
         """All launched ranks meet; returns their identities ordered by initial rank."""
         s = self.state
         arrived = self.store.counted_barrier(
-            "initial",
+            protocol.INITIAL,
             self.identity,
             s.initial_world_size,
-            _td(self._seconds["barrier_timeout"]),
+            _td(self._config.barrier_timeout),
             self._restart_poll,
         )
         members = sorted(arrived, key=initial_rank_of)
@@ -743,32 +606,32 @@ class CallWrapper:
         meet the joiners at a rendezvous; if a participant dies before it
         arrives, everyone recomputes without it (a new attempt).
         """
-        w = self.wrapper
+        w = self._config
         for attempt in itertools.count():
-            name = f"iter/{iteration}/barrier/{attempt}"
-            value, assigned = "join", self.state.copy()
+            name = protocol.iteration_key(iteration, f"barrier/{attempt}")
+            value, assigned = protocol.JOIN, self.state.copy()
             if previous is not None:
                 value, assigned = self._assign_rank(previous, prev_members, terminated, name)
             participants = [m for m in prev_members if m not in terminated] + joiners
-            decision = json.loads(
+            decision = protocol.decode_membership(
                 self.store.rendezvous(
                     name,
                     self.identity,
                     participants,
-                    value,
-                    _td(self._seconds["barrier_timeout"]),
+                    value.encode(),
+                    _td(self._config.barrier_timeout),
                     functools.partial(_decide_membership, self.store),
                     self._restart_poll,
                 )
             )
-            if "error" in decision:
-                raise InternalError(f"iteration {iteration}: {decision['error']}")
-            if "retry" in decision:
-                dead = set(decision["retry"])
+            if isinstance(decision, protocol.Failed):
+                raise InternalError(f"iteration {iteration}: {decision.error}")
+            if isinstance(decision, protocol.Retry):
+                dead = set(decision.terminated)
                 terminated = terminated | dead
                 joiners = [j for j in joiners if j not in dead]
                 continue
-            members: list[str] = decision["members"]
+            members = list(decision.members)
             if self.identity not in members:
                 self.store.mark_left(self.identity)
                 raise RankDiscarded(f"rank {self.identity} was discarded by the rank assignment")
@@ -791,12 +654,12 @@ class CallWrapper:
                 s.world_size,
                 s.mode.value,
             )
-            return _Iteration(iteration, members, int(decision["baseline"]))
+            return _Iteration(iteration, members, decision.baseline)
         raise AssertionError("unreachable")
 
     def _assign_rank(
         self, previous: State, prev_members: list[str], terminated: set[str], name: str
-    ) -> tuple[str, State]:
+    ) -> tuple[protocol.Arrival, State]:
         """This rank's new state per the user's rank assignment, and its barrier value.
 
         The value is the new rank, or ``discard`` when the assignment drops this rank.
@@ -805,22 +668,22 @@ class CallWrapper:
         state.store = PrefixStore(f"{name}/assignment", self.store)
         terminated_ranks = {prev_members.index(t) for t in terminated if t in prev_members}
         try:
-            state, unhandled = self.wrapper.rank_assignment(state, terminated_ranks)
+            state, unhandled = self._config.rank_assignment(state, terminated_ranks)
             self._track(state)
         except RankDiscarded:
-            return "discard", previous
+            return protocol.DISCARD, previous
         except RestartTimeoutError as ex:
             # A rank died during an exchange inside the assignment (e.g.
             # FilterGroupedByKey): the barrier decides whether to retry without it.
             log.warning("%s: rank assignment timed out: %s", self.identity, str(ex))
-            return "timeout", previous
+            return protocol.TIMEOUT, previous
         except Exception:
             self._terminate_self("rank assignment failed")
             raise
         if unhandled:
             self._terminate_self("rank assignment left terminated ranks unhandled")
             raise InternalError(f"rank assignment left terminated ranks {unhandled} unhandled")
-        return str(state.rank), state
+        return protocol.Arrival("rank", state.rank), state
 
     def _termination_barrier(self, current: _Iteration) -> tuple[set[str], list[str]]:
         """Every member arrives or is terminated; returns who is out and who joins next."""
@@ -828,28 +691,25 @@ class CallWrapper:
 
         def decide(arrivals: dict[str, str], terminated: set[str], baseline: int) -> str:
             gone = store.terminated() | store.left()
-            joiners = [
-                j for j in store.join_requests() if j not in current.members and j not in gone
-            ]
-            joiners.sort(key=lambda j: (initial_rank_of(j), j))
+            requests = store.join_requests()
             cause = _root_cause(store, current.baseline)
-            return json.dumps(
-                {"terminated": sorted(terminated), "joiners": joiners, "cause": cause}
+            return protocol.encode(
+                protocol.decide_termination(terminated, current.members, requests, gone, cause)
             )
 
-        decision = json.loads(
+        decision = protocol.decode_termination(
             store.rendezvous(
-                f"iter/{current.index}/termination",
+                protocol.iteration_key(current.index, "termination"),
                 self.identity,
                 current.members,
                 "",
-                _td(self._seconds["barrier_timeout"]),
+                _td(self._config.barrier_timeout),
                 decide,
                 self._restart_poll,
             )
         )
-        self._restart_cause = decision.get("cause")
-        return set(decision["terminated"]), list(decision["joiners"])
+        self._restart_cause = decision.cause
+        return set(decision.terminated), list(decision.joiners)
 
     def _completion_barrier(self, current: _Iteration) -> None:
         """Waits until every member finished; a fault meanwhile raises ``RankShouldRestart``.
@@ -859,28 +719,28 @@ class CallWrapper:
         deadline starts when the first active rank finishes.
         """
         store = self.store
-        key = f"iter/{current.index}/completion"
+        key = protocol.iteration_key(current.index, "completion")
         active = self.state.mode == Mode.ACTIVE
         if active:
             store.add(f"{key}/active", 1)
         arrived = int(store.add(key, 1))
         if arrived == len(current.members):
-            proposal = "fault" if store.fault_count() > current.baseline else "completed"
+            proposal = protocol.completion_outcome(store.fault_count(), current.baseline)
             store.decide_outcome(current.index, proposal)
-        timeout = self._seconds["completion_timeout"]
+        timeout = self._config.completion_timeout
         deadline = time.monotonic() + timeout if active else None
-        poller = _poller(self._seconds["monitor_thread_interval"])
+        poller = _poller(self._config.monitor_thread_interval)
         while True:
             outcome = store.outcome(current.index)
-            if outcome == "completed":
+            if outcome == protocol.COMPLETED:
                 return
-            if outcome == "fault":
+            if outcome == protocol.FAULT:
                 raise _mt.exception_with_message(RankShouldRestart, "fault at completion")()
             if deadline is None:
                 if store.counter(f"{key}/active") > 0:
                     deadline = time.monotonic() + timeout
             elif time.monotonic() >= deadline:
-                reason = f"completion timeout ({self._seconds['completion_timeout']:.3g}s)"
+                reason = f"completion timeout ({self._config.completion_timeout:.3g}s)"
                 store.record_fault(self.identity, reason)
                 raise _mt.exception_with_message(RankShouldRestart, reason)()
             poller.sleep(deadline)
@@ -906,11 +766,11 @@ class CallWrapper:
         outcome = _Result()
         try:
             self._initialize()
-            if self.wrapper.health_check is not None:
+            if self._config.health_check is not None:
                 # A check failing here is a fault of this iteration: it takes the
                 # normal restart path (the check runs again after the fault).
                 self.state = _returned_state(
-                    self.wrapper.health_check(self.state, None), self.state
+                    self._config.health_check(self.state, None), self.state
                 )
             # initialize and the health check may have returned a new State.
             if self.state.mode == Mode.ACTIVE:
@@ -954,7 +814,7 @@ class CallWrapper:
             # cause is logged once the termination barrier has seen them all.
             log.info("%s: iteration %d failed: %s", self.identity, s.iteration, repr(ex))
             self.store.record_fault(self.identity, f"{type(ex).__name__}: {ex}")
-            self.store.decide_outcome(s.iteration, "fault")
+            self.store.decide_outcome(s.iteration, protocol.FAULT)
         else:
             # KeyboardInterrupt, SystemExit, RestartAbort, ...: this rank leaves.
             self._terminate_self(f"{type(ex).__name__}: {ex}")
@@ -969,7 +829,7 @@ class CallWrapper:
         (gloo's "Connection closed by peer"): the termination barrier's decision
         names the root cause (see :func:`_root_cause`).
         """
-        root = getattr(self, "_restart_cause", None)
+        root = self._restart_cause
         if root is None:
             cause = f"{type(ex).__name__}: {ex}" if ex is not None else "unknown"
             log.warning(
@@ -980,9 +840,9 @@ class CallWrapper:
             "%s: restarted iteration %d; root cause: rank %s%s: %s",
             self.identity,
             self.state.iteration,
-            root["rank"],
-            " (this rank)" if root["rank"] == self.identity else "",
-            root["reason"],
+            root.rank,
+            " (this rank)" if root.rank == self.identity else "",
+            root.reason,
         )
 
     @contextlib.contextmanager
@@ -999,23 +859,23 @@ class CallWrapper:
     # starting with one); anything else, ``None`` included, keeps the current state.
 
     def _initialize(self) -> None:
-        if self.wrapper.initialize is not None:
-            self.state = _returned_state(self.wrapper.initialize(self.state), self.state)
+        if self._config.initialize is not None:
+            self.state = _returned_state(self._config.initialize(self.state), self.state)
 
     def _abort(self) -> None:
-        if self.wrapper.abort is None:
+        if self._config.abort is None:
             return
         try:
-            self.state = _returned_state(self.wrapper.abort(self.state), self.state)
+            self.state = _returned_state(self._config.abort(self.state), self.state)
         except Exception:
             self._terminate_self("abort failed")
             raise
 
     def _finalize(self, ex: BaseException | None) -> None:
-        if self.wrapper.finalize is None:
+        if self._config.finalize is None:
             return
         try:
-            self.state = _returned_state(self.wrapper.finalize(self.state, ex), self.state)
+            self.state = _returned_state(self._config.finalize(self.state, ex), self.state)
         except BaseException as failure:
             self._terminate_self(f"finalize failed: {failure!r}")
             raise
@@ -1023,10 +883,10 @@ class CallWrapper:
     def _health_check(self, ex: BaseException | None) -> None:
         """The check after a fault: failing it ends this rank with a ``HealthCheckError``
         whose ``__cause__`` is ``ex``, the exception that ended the function here."""
-        if self.wrapper.health_check is None:
+        if self._config.health_check is None:
             return
         try:
-            self.state = _returned_state(self.wrapper.health_check(self.state, ex), self.state)
+            self.state = _returned_state(self._config.health_check(self.state, ex), self.state)
         except Exception as failure:
             self._terminate_self(f"health check failed: {failure!r}")
             if isinstance(failure, HealthCheckError) and failure.__cause__ in (None, ex):
@@ -1049,34 +909,34 @@ class CallWrapper:
 
     def _joining(self) -> bool:
         """Whether the job already started without this process (it was relaunched)."""
-        return bool(self.store.check(["initial/done"]))
+        return bool(self.store.check([protocol.done_key(protocol.INITIAL)]))
 
     def _join(self) -> tuple[list[str], set[str], list[str], int] | None:
         """Asks to join and waits for the termination barrier that admits this rank."""
         store = self.store
         store.request_join(self.identity)
         log.info("%s: asked to join the running job", self.identity)
-        deadline = time.monotonic() + self._seconds["barrier_timeout"] * 4
+        deadline = time.monotonic() + self._config.barrier_timeout * 4
         poller = _poller(self._restart_poll)
         membership = store.membership()
         iteration = membership[0] if membership else 0
         while time.monotonic() < deadline:
-            done = store.get_or(f"iter/{iteration}/termination/done")
+            done = store.get_or(protocol.done_key(protocol.iteration_key(iteration, "termination")))
             if done:
-                decision = json.loads(done)
-                if self.identity in decision["joiners"]:
+                decision = protocol.decode_termination(done)
+                if protocol.admitted(decision, self.identity):
                     members = store.membership()
                     if members is None or members[0] != iteration:
                         raise InternalError(f"no membership published for iteration {iteration}")
                     return (
                         members[1],
-                        set(decision["terminated"]),
-                        decision["joiners"],
+                        set(decision.terminated),
+                        list(decision.joiners),
                         iteration + 1,
                     )
                 iteration += 1
                 continue
-            if store.outcome(iteration) == "completed":
+            if store.outcome(iteration) == protocol.COMPLETED:
                 log.warning("%s: the job completed before this rank could join", self.identity)
                 self._board.write_finished()
                 return None
@@ -1090,7 +950,7 @@ class CallWrapper:
         self.store.mark_completed(self.identity, current.index)
         self._finished_iteration = current
         self._monitor_process.shutdown()
-        self.store.add(f"iter/{current.index}/exit", 1)
+        self.store.add(protocol.iteration_key(current.index, "exit"), 1)
 
 
 @dataclasses.dataclass
@@ -1106,92 +966,32 @@ def _decide_membership(
     terminated: set[str],
     baseline: int,
 ) -> str:
-    """The iteration barrier's decision: the ordered membership, or a retry.
-
-    A join request not admitted yet counts as an unhandled fault (the baseline
-    is lowered by one), so the new iteration restarts at once and admits it:
-    the request may have come too late for the termination barrier, and its
-    fault may already be part of ``baseline``.
-    """
-    if terminated:
-        return json.dumps({"retry": sorted(terminated)})
-    timed_out = sorted(i for i, v in arrivals.items() if v == "timeout")
-    if timed_out:
-        return json.dumps({"error": f"rank assignment timed out on {timed_out}"})
-    slots: dict[int, str] = {}
-    admitted = []
-    for identity, value in arrivals.items():
-        if value == "discard":
-            continue
-        if value == "join":
-            admitted.append(identity)
-            continue
-        rank = int(value)
-        if rank in slots:
-            return json.dumps(
-                {"error": f"rank {rank} assigned to both {slots[rank]} and {identity}"}
-            )
-        slots[rank] = identity
-    if sorted(slots) != list(range(len(slots))):
-        return json.dumps({"error": f"assigned ranks {sorted(slots)} have gaps"})
-    members = [slots[r] for r in range(len(slots))]
-    members += sorted(admitted, key=lambda j: (initial_rank_of(j), j))
-    if not members:
-        return json.dumps({"error": "no rank is left"})
+    """The iteration barrier's decider: reads the call's joins, then decides
+    (:func:`inprocess.protocol.decide_membership`)."""
     gone = store.terminated() | store.left()
-    if any(j not in members and j not in gone for j in store.join_requests()):
-        baseline -= 1
-    return json.dumps({"members": members, "baseline": baseline})
+    decision = protocol.decide_membership(
+        {identity: protocol.Arrival.decode(v) for identity, v in arrivals.items()},
+        terminated,
+        baseline,
+        store.join_requests(),
+        gone,
+    )
+    return protocol.encode(decision)
 
 
-#: texts of errors that a rank's collective raises because of a peer's fault
-_DERIVED_ERRORS = (
-    "Connection closed by peer",
-    "Connection reset by peer",
-    "Broken pipe",
-    "DistNetworkError",
-)
-
-
-def _derived(reason: str) -> bool:
-    """Whether a recorded fault reads as the consequence of another rank's fault."""
-    return any(text in reason for text in _DERIVED_ERRORS)
-
-
-def _root_cause(store: StoreMixin, baseline: int) -> dict[str, Any] | None:
+def _root_cause(store: StoreMixin, baseline: int) -> protocol.RootCause | None:
     """The fault that started a restart, read once by the termination barrier's decider.
 
     At the barrier every fault of the iteration is in the fault log (one entry
     per increment of the fault counter, appended before it, so the entries
-    from ``baseline`` on are this iteration's, in order). The first one that is
-    not a communication error is the root cause: a survivor's "Connection
-    closed by peer" is derived, and may be recorded before the death that
-    caused it (which the dead rank's monitor process records).
+    from ``baseline`` on are this iteration's, in order); see
+    :func:`inprocess.protocol.root_cause`.
     """
     try:
         entries = store.fault_log()[baseline:]
     except Exception:
         return None
-    primary = [e for e in entries if not _derived(str(e.get("reason", "")))]
-    root = (primary or entries or [None])[0]
-    return None if root is None else {"rank": root["rank"], "reason": root["reason"]}
-
-
-def _seconds(w: Wrapper) -> dict[str, float]:
-    names = (
-        "monitor_thread_interval",
-        "monitor_process_interval",
-        "progress_watchdog_interval",
-        "soft_timeout",
-        "hard_timeout",
-        "heartbeat_timeout",
-        "heartbeat_interval",
-        "barrier_timeout",
-        "completion_timeout",
-        "last_call_wait",
-        "termination_grace_time",
-    )
-    return {name: getattr(w, name).total_seconds() for name in names}
+    return protocol.root_cause(entries)
 
 
 def _clear_own_frames(ex: BaseException) -> None:

@@ -59,6 +59,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from .. import protocol
 from ..store import AGENT_STORE_ENV, PrefixStore, TCPStore
 from .sockets import listening_sockets, shutdown_connections, socket_inodes, tcp_connections
 
@@ -233,7 +234,7 @@ def fresh_env_rendezvous(store: PrefixStore, iteration: int) -> Iterator[None]:
     if original is None:
         yield
         return
-    prefix = f"{store.prefix}/iter/{iteration}/env"
+    prefix = f"{store.prefix}/{protocol.iteration_key(iteration, 'env')}"
 
     def handler(url: str, timeout: Any = None, **kwargs: Any) -> Iterator[Any]:
         args = (url,) if timeout is None else (url, timeout)

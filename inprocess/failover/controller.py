@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import json
 import logging
 import os
 import select
@@ -36,6 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .. import protocol
 from ..security import keyed_namespace
 from . import policy
 from .backends import DEFAULT_BACKEND, Backend, WorkerLaunch, create_backend
@@ -72,7 +72,7 @@ STORE_READ_TIMEOUT = 2.0
 #: between a joiner's admission and the membership that lists it
 NO_MEMBER_GRACE = 3.0
 #: prefix of the fault-log reason of a rank whose Wrapper ended with RestartAbort
-_ABORT_PREFIX = "terminated: RestartAbort"
+_ABORT_PREFIX = protocol.TERMINATED_PREFIX + "RestartAbort"
 
 
 def signal_exit_code(signum: int) -> int:
@@ -104,6 +104,8 @@ class Controller:
         self.server: StoreServer | None = None
         self._client: Any = None
         self._reported: set[str] = set()
+        #: the first call of the Wrapper job not known to be over: read with the latest
+        self._first_call = 0
         self._stop_signal: int | None = None
         self._reads = _BoundedCalls()
         self._store_fd: int | None = None  # pidfd of the store server
@@ -241,11 +243,17 @@ class Controller:
 
     def _read_job(self) -> dict[str, Any] | None:
         """One snapshot of the Wrapper's keys in the store, or ``None`` if it cannot be read
-        within :data:`STORE_READ_TIMEOUT` (the store is gone, hung or restarting)."""
+        within :data:`STORE_READ_TIMEOUT` (the store is gone, hung or restarting).
+
+        Follows the call the job is on (``protocol.latest_call``: workers may make
+        several wrapped calls): membership from that call; terminated ranks from
+        it, from the one before (a relaunched worker passes through earlier calls)
+        and from every call since the last snapshot, so none is missed.
+        """
         if self.server is None or _process_stopped(self.server.pid):
             return None
-        ns = f"inprocess/{namespace(self.spec.job_id, self.state.generation)}"
-        call = f"{ns}/call0"
+        role = protocol.role_namespace(namespace(self.spec.job_id, self.state.generation))
+        first_call = self._first_call
         reported = frozenset(self._reported)
         server = self.server
 
@@ -262,18 +270,22 @@ class Controller:
                     timeout=datetime.timedelta(seconds=STORE_READ_TIMEOUT),
                 )
 
-            def get(key: str) -> str | None:
-                return client.get(key).decode() if client.check([key]) else None
-
+            latest = protocol.latest_call(client, role) or 0
+            current = protocol.call_namespace(role, latest)
             snapshot: dict[str, Any] = {
-                "wrapped": bool(client.check([f"{ns}/wrapped"])),
-                "initial_done": bool(client.check([f"{call}/initial/done"])),
-                "membership": get(f"{call}/membership"),
-                "terminated": [i for i in (get(f"{call}/terminated") or "").split(",") if i],
-                "fault_log": None,
+                "wrapped": protocol.wrapper_present(client, role),
+                "call": latest,
+                "initial_done": protocol.initial_done(client, current),
+                "membership": protocol.membership(client, current),
+                "terminated": [],
+                "fault_log": [],
             }
-            if any(i not in reported for i in snapshot["terminated"]):
-                snapshot["fault_log"] = get(f"{call}/fault_log") or ""
+            for call in range(max(0, min(first_call, latest - 1)), latest + 1):
+                call_ns = protocol.call_namespace(role, call)
+                terminated = protocol.terminated(client, call_ns)
+                snapshot["terminated"] += terminated
+                if any(i not in reported for i in terminated):
+                    snapshot["fault_log"] += protocol.fault_log(client, call_ns)
             return client, snapshot
 
         try:
@@ -287,6 +299,7 @@ class Controller:
             self._client = None
             return None
         self._client, snapshot = result
+        self._first_call = max(0, snapshot["call"] - 1)
         return snapshot
 
     def _reports(self, snapshot: dict[str, Any]) -> list[policy.Event]:
@@ -295,12 +308,7 @@ class Controller:
             self.commit(policy.set_wrapper_managed(self.state, True, now=time.time()))
         from ..store import incarnation_of, initial_rank_of
 
-        reasons: dict[str, str] = {}
-        for line in (snapshot["fault_log"] or "").splitlines():
-            with contextlib.suppress(ValueError, KeyError, TypeError):
-                entry = json.loads(line)
-                if str(entry["reason"]).startswith("terminated: "):
-                    reasons.setdefault(entry["rank"], str(entry["reason"]))
+        reasons = protocol.terminations(snapshot["fault_log"])
         events: list[policy.Event] = []
         for identity in snapshot["terminated"]:
             if identity in self._reported:
@@ -319,7 +327,7 @@ class Controller:
                     # Its process is gone: the backend collects its exit, which
                     # says more (the status or signal) and leads to the same action.
                     continue
-                what = reason.removeprefix("terminated: ")
+                what = reason.removeprefix(protocol.TERMINATED_PREFIX)
                 events.append(
                     WorkerReported(
                         worker,
@@ -337,8 +345,8 @@ class Controller:
 
         state = self.state
         members: list[str] = []
-        if snapshot["membership"]:
-            members = list(json.loads(snapshot["membership"])["members"])
+        if snapshot["membership"] is not None:
+            members = list(snapshot["membership"].members)
         terminated = set(snapshot["terminated"])
 
         def live(identity: str) -> bool:
@@ -435,6 +443,7 @@ class Controller:
         }
         self.commit(state)
         self._reported.clear()
+        self._first_call = 0
         for worker in sorted(self.state.workers):
             self.start_worker(worker)
 

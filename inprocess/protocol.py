@@ -1,0 +1,421 @@
+"""The restart protocol in one place: its store keys, its decisions and a read API.
+
+Three parts, none of which does any I/O of its own except the read API:
+
+Key schema
+    Every key the Wrapper, its monitor process and a job controller share. A
+    job's keys live under a *role* namespace ``inprocess/<job namespace>``
+    (:func:`role_namespace`); each call of a wrapped function in a process gets
+    a *call* namespace ``<role>/call<k>`` (:func:`call_namespace`), ``k``
+    counting the process's calls (every rank of a job makes the same sequence
+    of calls). Inside a call namespace: the fault counter and log, the
+    terminated and left lists (identities each followed by :data:`SEP`), join
+    requests, heartbeats, the published membership, and per iteration ``n`` the
+    keys under ``iter/<n>/`` (barrier attempts, termination, completion,
+    outcome, exit count, the user's ``env://`` rendezvous). The role namespace
+    holds the ``wrapped`` marker (the role recovers in-process) and
+    ``latest_call``, the highest call number any rank has started, so a
+    controller follows the call the job is on.
+
+Decisions
+    What the rendezvous of :mod:`inprocess.store` agree on, as small frozen
+    dataclasses with one codec (:func:`encode`, :func:`decode_membership`,
+    :func:`decode_termination`; :class:`Arrival` for the iteration barrier's
+    per-rank values), and the pure functions that make them
+    (:func:`decide_membership`, :func:`decide_termination`,
+    :func:`completion_outcome`, :func:`admitted`). They need no store and no
+    process, so they are unit-tested alone.
+
+Read API
+    What a job controller reads of a running Wrapper job, over any
+    ``torch.distributed.Store`` client on the job's store: :func:`wrapper_present`,
+    :func:`latest_call`, :func:`initial_done`, :func:`membership`,
+    :func:`terminated`, :func:`fault_log`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+# --------------------------------------------------------------------------- key schema
+
+#: separator after each identity in the append-only lists (terminated, left, join requests)
+SEP = ","
+#: root of every key of the Wrapper in a job's store
+ROOT = "inprocess"
+
+# keys of a role namespace
+WRAPPED = "wrapped"
+LATEST_CALL = "latest_call"
+
+# keys of a call namespace
+FAULTS = "faults"
+FAULT_LOG = "fault_log"
+TERMINATED = "terminated"
+TERMINATED_EPOCH = "terminated_epoch"
+LEFT = "left"
+JOIN_REQUESTS = "join_requests"
+MEMBERSHIP = "membership"
+HOSTED = "hosted"  # set by a rank that hosts the call's store server
+INITIAL = "initial"  # the initial barrier's name
+#: set on a store server that a rank hosts (never on a launcher's), outside any namespace
+RANK_HOSTED = "inprocess/rank_hosted"
+
+# outcomes of an iteration
+COMPLETED = "completed"
+FAULT = "fault"
+
+
+def role_namespace(job_namespace: str) -> str:
+    """The namespace of a job's Wrapper keys (``job_namespace``: see ``store.job_namespace``)."""
+    return f"{ROOT}/{job_namespace}"
+
+
+def call_namespace(role: str, call: int) -> str:
+    """The namespace of call ``call`` (0, 1, ...) of the wrapped functions in ``role``."""
+    return f"{role}/call{call}"
+
+
+def role_of(call_ns: str) -> str:
+    """The role namespace a call namespace belongs to."""
+    return call_ns.rsplit("/", 1)[0]
+
+
+def per_identity(kind: str, identity: str) -> str:
+    """A per-rank key: ``terminated``, ``left``, ``completed`` or ``heartbeat`` of ``identity``."""
+    return f"{kind}/{identity}"
+
+
+def iteration_key(iteration: int, name: str) -> str:
+    """A key of iteration ``iteration``: ``termination``, ``completion``, ``outcome``, ``exit``,
+    ``env`` (the user's ``env://`` rendezvous) or ``barrier/<attempt>``."""
+    return f"iter/{iteration}/{name}"
+
+
+def done_key(rendezvous: str) -> str:
+    """The key where rendezvous (or barrier) ``rendezvous`` publishes its decision."""
+    return f"{rendezvous}/done"
+
+
+def split_identities(text: str) -> list[str]:
+    """The identities of a :data:`SEP`-terminated list, in order."""
+    return [item for item in text.split(SEP) if item]
+
+
+def identity_record(identity: str) -> str:
+    """One entry of a :data:`SEP`-terminated list."""
+    if SEP in identity:
+        raise ValueError(f"an identity may not contain {SEP!r}: {identity!r}")
+    return identity + SEP
+
+
+# --------------------------------------------------------------------------- decisions
+
+
+@dataclasses.dataclass(frozen=True)
+class Arrival:
+    """A rank's value at the iteration barrier: its new rank, or why it has none.
+
+    ``kind`` is ``"rank"`` (with ``rank``), ``"join"`` (a relaunched process
+    admitted by the termination barrier), ``"discard"`` (the rank assignment
+    dropped it) or ``"timeout"`` (its rank assignment timed out).
+    """
+
+    kind: str
+    rank: int = -1
+
+    KINDS = ("rank", "join", "discard", "timeout")
+
+    def __post_init__(self) -> None:
+        if self.kind not in self.KINDS:
+            raise ValueError(f"Arrival.kind must be one of {self.KINDS}, got {self.kind!r}")
+        if (self.kind == "rank") != (self.rank >= 0):
+            raise ValueError(f"Arrival(kind={self.kind!r}) with rank={self.rank}")
+
+    def encode(self) -> str:
+        return str(self.rank) if self.kind == "rank" else self.kind
+
+    @classmethod
+    def decode(cls, text: str) -> Arrival:
+        return cls("rank", int(text)) if text not in cls.KINDS else cls(text)
+
+
+JOIN = Arrival("join")
+DISCARD = Arrival("discard")
+TIMEOUT = Arrival("timeout")
+
+
+@dataclasses.dataclass(frozen=True)
+class Retry:
+    """The iteration barrier lost participants before they arrived: try again without them."""
+
+    terminated: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Failed:
+    """The iteration barrier cannot form a membership (a bug or a broken rank assignment)."""
+
+    error: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Members:
+    """The iteration's membership in rank order, and the fault count it starts from."""
+
+    members: tuple[str, ...]
+    baseline: int
+
+
+MembershipDecision = Retry | Failed | Members
+
+
+@dataclasses.dataclass(frozen=True)
+class RootCause:
+    """The fault that started a restart: which rank, which error."""
+
+    rank: str
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Termination:
+    """The termination barrier's decision: who is out, who joins next, and why it restarted."""
+
+    terminated: tuple[str, ...]
+    joiners: tuple[str, ...]
+    cause: RootCause | None = None
+
+
+def encode(decision: MembershipDecision | Termination) -> str:
+    """The single-line JSON text of a decision, as published at a rendezvous."""
+    if isinstance(decision, Retry):
+        data: dict[str, Any] = {"retry": list(decision.terminated)}
+    elif isinstance(decision, Failed):
+        data = {"error": decision.error}
+    elif isinstance(decision, Members):
+        data = {"members": list(decision.members), "baseline": decision.baseline}
+    elif isinstance(decision, Termination):
+        cause = decision.cause
+        data = {
+            "terminated": list(decision.terminated),
+            "joiners": list(decision.joiners),
+            "cause": None if cause is None else {"rank": cause.rank, "reason": cause.reason},
+        }
+    else:
+        raise TypeError(f"not a decision of the protocol: {decision!r}")
+    return json.dumps(data)
+
+
+def decode_membership(text: str) -> MembershipDecision:
+    data = json.loads(text)
+    if "retry" in data:
+        return Retry(tuple(data["retry"]))
+    if "error" in data:
+        return Failed(str(data["error"]))
+    return Members(tuple(data["members"]), int(data["baseline"]))
+
+
+def decode_termination(text: str) -> Termination:
+    data = json.loads(text)
+    cause = data.get("cause")
+    return Termination(
+        tuple(data["terminated"]),
+        tuple(data["joiners"]),
+        None if cause is None else RootCause(str(cause["rank"]), str(cause["reason"])),
+    )
+
+
+def _initial_rank(identity: str) -> int:
+    return int(identity.split("/", 1)[0])
+
+
+def _joiner_order(identity: str) -> tuple[int, str]:
+    return _initial_rank(identity), identity
+
+
+def decide_membership(
+    arrivals: dict[str, Arrival],
+    terminated: set[str],
+    baseline: int,
+    join_requests: Sequence[str],
+    gone: set[str],
+) -> MembershipDecision:
+    """The iteration barrier's decision: the ordered membership, or a retry.
+
+    ``arrivals`` are the arrived participants' values, ``terminated`` the
+    participants terminated (arrived or not), ``baseline`` the fault count read
+    before them; ``join_requests`` and ``gone`` (terminated or left anywhere in
+    the call) are read after. A join request not admitted yet counts as an
+    unhandled fault (the baseline is lowered by one), so the new iteration
+    restarts at once and admits it: the request may have come too late for the
+    termination barrier, and its fault may already be part of ``baseline``.
+    """
+    if terminated:
+        return Retry(tuple(sorted(terminated)))
+    timed_out = sorted(i for i, v in arrivals.items() if v.kind == "timeout")
+    if timed_out:
+        return Failed(f"rank assignment timed out on {timed_out}")
+    slots: dict[int, str] = {}
+    admitted = []
+    for identity, value in arrivals.items():
+        if value.kind == "discard":
+            continue
+        if value.kind == "join":
+            admitted.append(identity)
+            continue
+        if value.rank in slots:
+            return Failed(f"rank {value.rank} assigned to both {slots[value.rank]} and {identity}")
+        slots[value.rank] = identity
+    if sorted(slots) != list(range(len(slots))):
+        return Failed(f"assigned ranks {sorted(slots)} have gaps")
+    members = [slots[r] for r in range(len(slots))]
+    members += sorted(admitted, key=_joiner_order)
+    if not members:
+        return Failed("no rank is left")
+    if any(j not in members and j not in gone for j in join_requests):
+        baseline -= 1
+    return Members(tuple(members), baseline)
+
+
+#: texts of errors that a rank's collective raises because of a peer's fault
+DERIVED_ERRORS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "DistNetworkError",
+)
+
+
+def derived(reason: str) -> bool:
+    """Whether a recorded fault reads as the consequence of another rank's fault."""
+    return any(text in reason for text in DERIVED_ERRORS)
+
+
+def root_cause(entries: Sequence[dict[str, Any]]) -> RootCause | None:
+    """The fault that started a restart, from the iteration's fault log entries in order.
+
+    The first one that is not a communication error: a survivor's "Connection
+    closed by peer" is derived, and may be recorded before the death that
+    caused it (which the dead rank's monitor process records).
+    """
+    primary = [e for e in entries if not derived(str(e.get("reason", "")))]
+    root = (primary or list(entries) or [None])[0]
+    return None if root is None else RootCause(str(root["rank"]), str(root["reason"]))
+
+
+def decide_termination(
+    terminated: set[str],
+    members: Sequence[str],
+    join_requests: Sequence[str],
+    gone: set[str],
+    cause: RootCause | None,
+) -> Termination:
+    """The termination barrier's decision: the terminated members, and the join
+    requests of processes neither members, terminated nor gone, by initial rank."""
+    joiners = sorted(
+        (j for j in join_requests if j not in members and j not in gone), key=_joiner_order
+    )
+    return Termination(tuple(sorted(terminated)), tuple(joiners), cause)
+
+
+def completion_outcome(fault_count: int, baseline: int) -> str:
+    """What the last rank at the completion barrier proposes: a fault recorded
+    since the iteration was decided wins over completion."""
+    return FAULT if fault_count > baseline else COMPLETED
+
+
+def admitted(decision: Termination, identity: str) -> bool:
+    """Whether a termination decision admits the joining process ``identity``."""
+    return identity in decision.joiners
+
+
+# --------------------------------------------------------------------------- read API
+
+
+def _get(store: Any, key: str) -> str | None:
+    if not store.check([key]):
+        return None
+    value = store.get(key)
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def wrapper_present(store: Any, role: str) -> bool:
+    """Whether a Wrapper has started a call in ``role`` (the role recovers in-process)."""
+    return bool(store.check([f"{role}/{WRAPPED}"]))
+
+
+def latest_call(store: Any, role: str) -> int | None:
+    """The highest call number a rank of ``role`` has started; ``None`` before the first."""
+    value = _get(store, f"{role}/{LATEST_CALL}")
+    return int(value) if value else None
+
+
+def initial_done(store: Any, call_ns: str) -> bool:
+    """Whether the initial barrier of the call completed (a new process there is a joiner)."""
+    return bool(store.check([f"{call_ns}/{done_key(INITIAL)}"]))
+
+
+@dataclasses.dataclass(frozen=True)
+class Membership:
+    """The latest membership a call published: its iteration and members in rank order."""
+
+    iteration: int
+    members: tuple[str, ...]
+
+    def encode(self) -> str:
+        return json.dumps({"iteration": self.iteration, "members": list(self.members)})
+
+    @classmethod
+    def decode(cls, text: str) -> Membership:
+        data = json.loads(text)
+        return cls(int(data["iteration"]), tuple(data["members"]))
+
+
+def membership(store: Any, call_ns: str) -> Membership | None:
+    text = _get(store, f"{call_ns}/{MEMBERSHIP}")
+    return Membership.decode(text) if text else None
+
+
+def terminated(store: Any, call_ns: str) -> list[str]:
+    """The identities the call declared terminated, in order."""
+    return split_identities(_get(store, f"{call_ns}/{TERMINATED}") or "")
+
+
+def fault_entry(identity: str, reason: str, time: float) -> str:
+    """One line of the fault log."""
+    return json.dumps({"rank": identity, "reason": reason[:500], "time": time}) + "\n"
+
+
+def parse_fault_log(text: str) -> list[dict[str, Any]]:
+    """The entries of a fault log (``rank``, ``reason``, ``time``); unreadable lines are skipped."""
+    entries = []
+    for line in text.splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(entry, dict) and "rank" in entry and "reason" in entry:
+            entries.append(entry)
+    return entries
+
+
+def fault_log(store: Any, call_ns: str) -> list[dict[str, Any]]:
+    return parse_fault_log(_get(store, f"{call_ns}/{FAULT_LOG}") or "")
+
+
+def terminations(entries: Iterable[dict[str, Any]]) -> dict[str, str]:
+    """The first reason recorded for each rank declared terminated (``"terminated: ..."``)."""
+    reasons: dict[str, str] = {}
+    for entry in entries:
+        reason = str(entry["reason"])
+        if reason.startswith(TERMINATED_PREFIX):
+            reasons.setdefault(str(entry["rank"]), reason)
+    return reasons
+
+
+#: prefix of the fault log reason of a rank declared terminated
+TERMINATED_PREFIX = "terminated: "

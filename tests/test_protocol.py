@@ -1,0 +1,168 @@
+"""The restart protocol's pure decisions, codec and read API (issue 10): no processes."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+from inprocess import protocol as P
+from inprocess.store import PrefixStore, StoreMixin
+
+
+class HashStore(dist.HashStore, StoreMixin):
+    """An in-memory store with the Wrapper protocol."""
+
+
+def rank(n: int) -> P.Arrival:
+    return P.Arrival("rank", n)
+
+
+# --------------------------------------------------------------------------- arrivals
+
+
+@pytest.mark.parametrize("value", [rank(0), rank(7), P.JOIN, P.DISCARD, P.TIMEOUT])
+def test_arrival_codec_round_trips(value):
+    assert P.Arrival.decode(value.encode()) == value
+
+
+def test_arrival_wire_format_is_unchanged():
+    assert [v.encode() for v in (rank(3), P.JOIN, P.DISCARD, P.TIMEOUT)] == [
+        "3",
+        "join",
+        "discard",
+        "timeout",
+    ]
+
+
+@pytest.mark.parametrize("kind,n", [("spare", -1), ("rank", -1), ("join", 2)])
+def test_bad_arrival_is_an_error(kind, n):
+    with pytest.raises(ValueError, match="Arrival"):
+        P.Arrival(kind, n)
+
+
+# --------------------------------------------------------------------------- membership
+
+
+def decide(arrivals, terminated=(), baseline=5, requests=(), gone=()):
+    return P.decide_membership(arrivals, set(terminated), baseline, list(requests), set(gone))
+
+
+def test_membership_orders_by_new_rank_then_joiners_by_initial_rank():
+    d = decide({"a": rank(1), "b": rank(0), "3/1.x": P.JOIN, "1/1.y": P.JOIN, "c": P.DISCARD})
+    assert d == P.Members(("b", "a", "1/1.y", "3/1.x"), 5)
+
+
+def test_membership_retries_without_terminated_participants():
+    assert decide({"a": rank(0)}, terminated={"b", "a"}) == P.Retry(("a", "b"))
+
+
+@pytest.mark.parametrize(
+    "arrivals,error",
+    [
+        ({"a": rank(0), "b": P.TIMEOUT}, "timed out on ['b']"),
+        ({"a": rank(0), "b": rank(0)}, "rank 0 assigned to both a and b"),
+        ({"a": rank(0), "b": rank(2)}, "assigned ranks [0, 2] have gaps"),
+        ({"a": P.DISCARD}, "no rank is left"),
+    ],
+)
+def test_membership_errors(arrivals, error):
+    d = decide(arrivals)
+    assert isinstance(d, P.Failed) and error in d.error
+
+
+def test_unadmitted_join_request_lowers_the_baseline():
+    # "2/1.z" asked to join but is neither a member nor gone: restart at once to admit it
+    assert decide({"a": rank(0)}, requests=["2/1.z"]) == P.Members(("a",), 4)
+    assert decide({"a": rank(0)}, requests=["2/1.z"], gone={"2/1.z"}).baseline == 5
+    assert decide({"a": rank(0), "2/1.z": P.JOIN}, requests=["2/1.z"]).baseline == 5
+
+
+@pytest.mark.parametrize(
+    "decision",
+    [
+        P.Retry(("a", "b")),
+        P.Failed("no rank is left"),
+        P.Members(("a", "b"), 3),
+    ],
+)
+def test_membership_codec_round_trips(decision):
+    assert P.decode_membership(P.encode(decision)) == decision
+
+
+# --------------------------------------------------------------------------- termination
+
+
+def test_termination_admits_requests_of_new_processes_only():
+    d = P.decide_termination(
+        {"b", "a"},
+        members=["a", "b", "c"],
+        join_requests=["3/1.x", "c", "1/1.y", "0/1.dead"],
+        gone={"0/1.dead"},
+        cause=P.RootCause("a", "RuntimeError: boom"),
+    )
+    cause = P.RootCause("a", "RuntimeError: boom")
+    assert d == P.Termination(("a", "b"), ("1/1.y", "3/1.x"), cause)
+    assert P.admitted(d, "3/1.x") and not P.admitted(d, "c")
+    assert P.decode_termination(P.encode(d)) == d
+    plain = P.Termination((), ())
+    assert P.decode_termination(P.encode(plain)) == plain
+
+
+def test_root_cause_skips_faults_derived_from_a_peer():
+    entries = [
+        {"rank": "1/0.a", "reason": "RuntimeError: Connection closed by peer"},
+        {"rank": "2/0.b", "reason": "terminated: process died"},
+    ]
+    assert P.root_cause(entries) == P.RootCause("2/0.b", "terminated: process died")
+    assert P.root_cause(entries[:1]) == P.RootCause("1/0.a", entries[0]["reason"])
+    assert P.root_cause([]) is None
+
+
+# --------------------------------------------------------------------------- completion
+
+
+def test_completion_outcome():
+    assert P.completion_outcome(fault_count=3, baseline=3) == P.COMPLETED
+    assert P.completion_outcome(fault_count=4, baseline=3) == P.FAULT
+
+
+# --------------------------------------------------------------------------- schema and read API
+
+
+def test_schema():
+    role = P.role_namespace("job/g0")
+    assert role == "inprocess/job/g0"
+    assert P.call_namespace(role, 2) == "inprocess/job/g0/call2"
+    assert P.role_of(P.call_namespace(role, 2)) == role
+    assert P.done_key(P.iteration_key(4, "termination")) == "iter/4/termination/done"
+    assert P.split_identities(P.identity_record("0/0.a") + P.identity_record("1/0.b")) == [
+        "0/0.a",
+        "1/0.b",
+    ]
+    with pytest.raises(ValueError, match="may not contain"):
+        P.identity_record("a,b")
+
+
+def test_read_api_follows_what_the_store_mixin_writes():
+    raw = HashStore()
+    role = P.role_namespace("job/g0")
+    assert not P.wrapper_present(raw, role) and P.latest_call(raw, role) is None
+    raw.announce_call(role, 1)
+    raw.announce_call(role, 0)  # a relaunched process passing through call 0: no step back
+    assert P.wrapper_present(raw, role) and P.latest_call(raw, role) == 1
+    raw.announce_call(role, 2)
+    assert P.latest_call(raw, role) == 2
+
+    call = P.call_namespace(role, 2)
+    store = PrefixStore(call, raw)
+    assert P.membership(raw, call) is None and P.terminated(raw, call) == []
+    store.publish_membership(3, ["0/0.a", "1/0.b"])
+    store.mark_terminated("1/0.b", "RestartAbort: gave up")
+    store.record_fault("0/0.a", "RuntimeError: x")
+    store.append(P.FAULT_LOG, "not json\n")
+    assert P.membership(raw, call) == P.Membership(3, ("0/0.a", "1/0.b"))
+    assert P.terminated(raw, call) == ["1/0.b"]
+    log = P.fault_log(raw, call)
+    assert [e["rank"] for e in log] == ["1/0.b", "0/0.a"]
+    assert P.terminations(log) == {"1/0.b": "terminated: RestartAbort: gave up"}
+    assert not P.initial_done(raw, call)
