@@ -181,7 +181,9 @@ def test_controller_sigkill_is_recovered(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_failing_node_is_relaunched_on_a_spare_slot(tmp_path):
-    steps = 300
+    # Long enough for three relaunches of the crashing worker (each a new
+    # process importing torch) to rejoin on a loaded machine before the end.
+    steps = 700
     with Launch(
         tmp_path,
         "--per-node-max-failures",
