@@ -7,7 +7,8 @@ process group and one all_reduce done, next to the bound it must stay under.
 
     python benchmarks/detection_latency.py [--repeat 3]
 
-Reuses the test suite's job launcher and configurable worker (tests/).
+Runs the test suite's configurable worker (tests/workers/scenario.py) with
+:mod:`inprocess.tools.local_job`; ``tests/test_hangs.py`` uses the settings below.
 """
 
 from __future__ import annotations
@@ -17,19 +18,33 @@ import json
 import os
 import signal
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import psutil
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from launcher import Job
-from test_hangs import GRACE, HARD, HEARTBEAT, SOFT
-from test_hangs import TIMED as WRAPPER
+from inprocess.tools.local_job import Job
 
-# The settings of the hang tests (tests/test_hangs.py), so the figures match them.
+REPO = Path(__file__).resolve().parent.parent
+SCENARIO = REPO / "tests" / "workers" / "scenario.py"
+
+# The Wrapper's settings here and in the hang tests (tests/test_hangs.py), so
+# the figures measure what the tests check.
+SOFT, HARD, GRACE, HEARTBEAT = 3.0, 6.0, 1.0, 4.0
+TIMED = {
+    "monitor_thread_interval": 0.05,
+    "monitor_process_interval": 0.05,
+    "progress_watchdog_interval": 0.05,
+    "soft_timeout": SOFT,
+    "hard_timeout": HARD,
+    "heartbeat_timeout": HEARTBEAT,
+    "barrier_timeout": 60,
+    "completion_timeout": 60,
+    "last_call_wait": 0.05,
+    "termination_grace_time": GRACE,
+}
+WRAPPER = TIMED
 VICTIM, WORLD = 2, 4
 
 # label -> (how it is injected, the bound it must stay under)
@@ -91,7 +106,7 @@ def measure(how: str, workdir: Path) -> float:
             {"iteration": 0, "rank": VICTIM, "step": 3, "kind": how, "others": "allreduce"}
         ]
         spec["ping"] = how == "busy"
-    with Job("scenario.py", WORLD, workdir, spec) as job:
+    with Job(SCENARIO, WORLD, workdir, spec, pythonpath=REPO) as job:
         fault_time = inject_from_outside(job, how) if how.startswith("external") else None
         result = job.wait(120)
     if fault_time is None:

@@ -7,4 +7,6 @@ bash scripts/bootstrap.sh
 # unreachable that stalls it for the resolver timeout (5 s). Keep it short.
 export RES_OPTIONS="${RES_OPTIONS:-timeout:1 attempts:1}"
 .venv/bin/python -m ruff check inprocess tests benchmarks examples
-exec .venv/bin/python -m pytest "$@"
+# Two workers: the multi-rank tests mostly wait on timeouts, so they overlap well
+# even on 2 cores. TEST_WORKERS=0 runs serially.
+exec .venv/bin/python -m pytest -n "${TEST_WORKERS:-2}" "$@"
