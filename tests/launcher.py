@@ -29,17 +29,9 @@ __all__ = [
 class Job(local_job.Job):
     """A job of ``script``: a name in ``tests/workers`` or a path."""
 
-    def __init__(
-        self,
-        script: str | Path,
-        nprocs: int,
-        workdir: Path,
-        spec: dict[str, Any] | None = None,
-        env: dict[str, str] | None = None,
-        args: list[str] | None = None,
-    ) -> None:
+    def __init__(self, script: str | Path, *args: Any, **kwargs: Any) -> None:
         path = Path(script) if Path(script).is_absolute() else WORKERS / script
-        super().__init__(path, nprocs, workdir, spec, env, args, pythonpath=REPO)
+        super().__init__(path, *args, pythonpath=REPO, **kwargs)
 
 
 def run_job(

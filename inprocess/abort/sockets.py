@@ -72,6 +72,21 @@ def _verified(inode: int, fd: int) -> Iterator[socket.socket | None]:
         os.close(dup)
 
 
+def _tcp_sockets(inodes: dict[int, int] | None) -> Iterator[tuple[int, socket.socket]]:
+    """``(inode, socket)`` for each TCP socket of this process (all when ``inodes`` is None).
+
+    Each socket is a verified duplicate, valid only until the next one is
+    yielded: callers must not close or keep it (the duplicate is closed here).
+    """
+    for inode, fd in (inodes if inodes is not None else socket_inodes()).items():
+        with _verified(inode, fd) as sock:
+            if sock is None or sock.type != socket.SOCK_STREAM:
+                continue
+            if sock.family not in (socket.AF_INET, socket.AF_INET6):
+                continue
+            yield inode, sock
+
+
 def _address(family: int, raw: tuple) -> Address:
     return family, socket.inet_pton(family, raw[0].split("%")[0]), raw[1]
 
@@ -79,35 +94,25 @@ def _address(family: int, raw: tuple) -> Address:
 def tcp_connections(inodes: dict[int, int] | None = None) -> list[TcpConnection]:
     """Established TCP connections of this process (listening sockets excluded)."""
     found = []
-    for inode, fd in (inodes if inodes is not None else socket_inodes()).items():
-        with _verified(inode, fd) as sock:
-            if sock is None or sock.type != socket.SOCK_STREAM:
-                continue
-            if sock.family not in (socket.AF_INET, socket.AF_INET6):
-                continue
-            try:
-                local = _address(sock.family, sock.getsockname())
-                remote = _address(sock.family, sock.getpeername())
-            except OSError:
-                continue  # listening, or not connected
-            found.append(TcpConnection(inode, local, remote))
+    for inode, sock in _tcp_sockets(inodes):
+        try:
+            local = _address(sock.family, sock.getsockname())
+            remote = _address(sock.family, sock.getpeername())
+        except OSError:
+            continue  # listening, or not connected
+        found.append(TcpConnection(inode, local, remote))
     return found
 
 
 def listening_sockets(inodes: dict[int, int] | None = None) -> dict[int, int]:
     """Map inode -> local port of this process's listening TCP sockets."""
     ports = {}
-    for inode, fd in (inodes if inodes is not None else socket_inodes()).items():
-        with _verified(inode, fd) as sock:
-            if sock is None or sock.type != socket.SOCK_STREAM:
-                continue
-            if sock.family not in (socket.AF_INET, socket.AF_INET6):
-                continue
-            try:
-                if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                    ports[inode] = sock.getsockname()[1]
-            except OSError:
-                continue
+    for inode, sock in _tcp_sockets(inodes):
+        try:
+            if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                ports[inode] = sock.getsockname()[1]
+        except OSError:
+            continue
     return ports
 
 

@@ -38,10 +38,7 @@ args = parser.parse_args()
 RANK = int(os.environ["RANK"])
 INCARNATION = int(os.environ.get("INPROCESS_WORKER_INCARNATION", "0"))
 JOB = JobState(args.result_dir, RANK, INCARNATION)
-logging.basicConfig(
-    level=os.environ.get("TRAIN_LOG_LEVEL", "WARNING"),
-    format=f"%(asctime)s worker{RANK} %(name)s %(levelname)s %(message)s",
-)
+logging.basicConfig(format=f"%(asctime)s worker{RANK} %(name)s %(levelname)s %(message)s")
 ms = datetime.timedelta(milliseconds=1)
 
 
@@ -51,11 +48,7 @@ def wrapper(max_iterations: int) -> inprocess.Wrapper:
         monitor_process_interval=50 * ms,
         progress_watchdog_interval=50 * ms,
         last_call_wait=50 * ms,
-        soft_timeout=datetime.timedelta(seconds=20),
-        hard_timeout=datetime.timedelta(seconds=30),
         heartbeat_timeout=datetime.timedelta(seconds=10),
-        barrier_timeout=datetime.timedelta(seconds=60),
-        termination_grace_time=datetime.timedelta(seconds=1),
         initialize=inprocess.initialize.RetryController(max_iterations=max_iterations),
     )
 
