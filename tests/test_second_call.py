@@ -18,7 +18,7 @@ TWO_CALLS = REPO / "tests" / "workers" / "two_calls.py"
 @pytest.mark.timeout(240)
 def test_worker_killed_in_second_call_rejoins_that_call(tmp_path):
     victim = 1
-    args = ["--steps", "250", "--crash-rank", str(victim), "--crash-step", "10"]
+    args = ["--steps", "60", "--crash-rank", str(victim), "--crash-step", "10"]
     with Launch(tmp_path, script=TWO_CALLS, script_args=args) as job:
         code = job.finish(timeout=200)
         assert code == 0, job.output()

@@ -36,6 +36,7 @@ parser.add_argument("--abort", action="store_true")
 args = parser.parse_args()
 
 RANK = int(os.environ["RANK"])
+FULL_WORLD = int(os.environ["WORLD_SIZE"])  # as launched (the Wrapper updates the variable)
 INCARNATION = int(os.environ.get("INPROCESS_WORKER_INCARNATION", "0"))
 JOB = JobState(args.result_dir, RANK, INCARNATION)
 logging.basicConfig(format=f"%(asctime)s worker{RANK} %(name)s %(levelname)s %(message)s")
@@ -57,7 +58,10 @@ def train(call: int, steps: int, call_wrapper: inprocess.CallWrapper | None = No
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     world = dist.get_world_size()
     JOB.record("start", call=call, iteration=call_wrapper.iteration, world=world)
-    for step in range(steps):
+    # In call 1 the survivors of a crash train on until the relaunched worker
+    # has rejoined (however slow its start), so that it rejoins this very call.
+    full = world == FULL_WORLD
+    for step in range(steps if call == 0 or full else 100 * steps):
         if call == 1 and step == args.crash_step:
             if RANK == args.crash_rank and INCARNATION == 0:
                 os.kill(os.getpid(), signal.SIGKILL)
