@@ -24,7 +24,7 @@ Modules: :mod:`.base` (the base class), :mod:`.renumber` (final assignments),
 :mod:`.grouped` (group filter), :mod:`.filter` (rank filters).
 """
 
-from .base import RankAssignment, RankDiscarded
+from .base import RankAssignment, RankAssignmentCtx, RankDiscarded
 from .grouped import FilterGroupedByKey
 from .renumber import FillGaps, ShiftRanks
 
@@ -32,6 +32,7 @@ __all__ = [
     "FillGaps",
     "FilterGroupedByKey",
     "RankAssignment",
+    "RankAssignmentCtx",
     "RankDiscarded",
     "ShiftRanks",
 ]

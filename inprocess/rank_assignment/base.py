@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import abc
 import bisect
+import dataclasses
 import logging
 from collections.abc import Iterable
+from typing import Any
 
 from ..exception import RestartError
 from ..state import State
@@ -15,6 +17,28 @@ log = logging.getLogger(__name__)
 
 class RankDiscarded(RestartError):
     """This rank is among the terminated ranks and takes no part in the next iteration."""
+
+
+@dataclasses.dataclass
+class RankAssignmentCtx:
+    """What a rank assignment of the API's newer generation receives and returns.
+
+    Newer-generation assignments are called as ``assignment(ctx) -> ctx``
+    (the usage guide's generation: ``assignment(state, terminated_ranks) ->
+    (state, terminated_ranks)``). The fields mean the same in both:
+
+    Attributes:
+        state: this rank's :class:`~inprocess.state.State` in the numbering of
+            the iteration that just ended; an assignment updates it.
+        store: the iteration's distributed store (for assignments that
+            exchange rank-local facts).
+        terminated_ranks: ranks of the ended iteration that must not continue
+            and are not yet handled; a final assignment returns an empty set.
+    """
+
+    state: State
+    store: Any
+    terminated_ranks: set[int]
 
 
 class RankAssignment(abc.ABC):
