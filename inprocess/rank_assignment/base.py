@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ..exception import RestartError
-from ..state import State
+from ..state import Mode, State
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,26 @@ class RankAssignment(abc.ABC):
         raise NotImplementedError
 
 
+def _in_ctx(
+    assignment: Any, ctx: RankAssignmentCtx
+) -> RankAssignmentCtx:
+    """Runs a guide-shaped ``assignment(state, terminated_ranks)`` on a newer-generation ctx.
+
+    The built-in assignments serve both generations: called with one
+    :class:`RankAssignmentCtx` they answer with one (``ctx -> ctx``), called with
+    ``(state, terminated_ranks)`` with the tuple.
+    """
+    if not isinstance(ctx, RankAssignmentCtx):
+        raise TypeError(
+            f"{assignment!r} takes (state, terminated_ranks) or one RankAssignmentCtx, "
+            f"got {type(ctx).__name__}"
+        )
+    if ctx.state.store is None:
+        ctx.state.store = ctx.store
+    state, unhandled = assignment(ctx.state, ctx.terminated_ranks)
+    return RankAssignmentCtx(state, ctx.store, set(unhandled))
+
+
 def _checked(state: State, terminated_ranks: Iterable[int]) -> list[int]:
     """``terminated_ranks`` sorted, checked against ``state.world_size``.
 
@@ -97,3 +117,4 @@ def _assign(state: State, new_rank: int, new_world_size: int) -> None:
     # Everybody is active until a rank filter says otherwise; keeps the state
     # consistent (active_world_size <= world_size) between assignment and filter.
     state.active_world_size = new_world_size
+    state.active_rank = new_rank if state.mode == Mode.ACTIVE else None
