@@ -4,7 +4,7 @@ The same data-parallel loop, the same faults, the same spare: 4 ranks, 3
 active (rank filter), each step adds 1 to a replicated weight through an
 all-reduce and rank 0 checkpoints ``(step, weight)``; every iteration
 reloads it. Faults: initial rank 1 raises at step 3 of iteration 0; initial
-rank 2 is SIGKILLed at step 2 of iteration 1 (the spare takes its place).
+rank 2 is SIGKILLed at step 5 of iteration 1 (the spare takes its place).
 Only the callbacks' shapes differ between the styles:
 
 * ``guide``: ``finalize(state, ex)``, ``health_check(state, ex)``, ``rank_filter=``;
@@ -64,7 +64,7 @@ def train(call_wrapper: inprocess.CallWrapper | None = None) -> dict:
     while step < STEPS:
         if call_wrapper.iteration == 0 and step == 3 and INITIAL_RANK == 1:
             raise RuntimeError("injected fault")
-        if call_wrapper.iteration == 1 and step == 2 and INITIAL_RANK == 2:
+        if call_wrapper.iteration == 1 and step == 5 and INITIAL_RANK == 2:
             os.kill(os.getpid(), signal.SIGKILL)
         update = torch.ones(1)
         dist.all_reduce(update)
