@@ -312,3 +312,34 @@ def test_one_training_job_in_each_generation_ends_the_same(tmp_path):
         if style == "newer":
             assert all(rep["completion"] == [[2, "active"]] for rep in reports.values())
     assert outcomes["guide"] == outcomes["newer"]
+
+
+def test_callbacks_are_called_in_their_generations_shape():
+    from inprocess.generation import as_state_callback, invoke, settle
+
+    ex = ValueError("x")
+    state = State(rank=1, world_size=2)
+    got = []
+    invoke(lambda f: got.append(f), Generation.NEWER, state, ex)
+    invoke(lambda st, e: got.append((st, e)), Generation.GUIDE, state, ex)
+    assert isinstance(got[0], FrozenState) and got[0].fn_exception is ex
+    assert got[1] == (state, ex)
+    as_state_callback(lambda f: got.append(f), Generation.NEWER)(state)
+    assert isinstance(got[2], FrozenState) and got[2].fn_exception is None
+
+    # after the barrier: what the newer assignment decided, a joiner a spare
+    planned = State(rank=1, world_size=3, active_world_size=2)
+    planned.apply_active_world_size()
+    agreed = State(rank=1, world_size=4)
+    settle(agreed, planned, joined=False)
+    assert (agreed.mode, agreed.active_rank, agreed.active_world_size) == (Mode.ACTIVE, 1, 2)
+    joiner = State(rank=3, world_size=4)
+    settle(joiner, joiner.copy(), joined=True)
+    assert (joiner.mode, joiner.active_rank) == (Mode.INACTIVE, None)
+    undecided = State(rank=0, world_size=2, mode=Mode.INITIALIZED)
+    settle(undecided, undecided.copy(), joined=False)
+    assert (undecided.mode, undecided.active_world_size) == (Mode.ACTIVE, 2)
+    bad = State(rank=1, world_size=3, active_world_size=2)
+    bad.active_rank = 5
+    with pytest.raises(ValueError, match="active_rank"):
+        settle(State(rank=1, world_size=3), bad, joined=False)
