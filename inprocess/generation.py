@@ -1,19 +1,16 @@
 """The two generations of the callback API, told apart per callback.
 
 The usage guide's generation (our contract) and the API's newer generation
-differ in the shapes of the Wrapper's callbacks:
+differ in the shapes of the Wrapper's callbacks (guide / newer):
 
-============================  ==========================  ===============================
-callback                      usage guide                 newer generation
-============================  ==========================  ===============================
-``initialize``, ``abort``     ``(state) -> state``        ``(frozen_state) -> frozen_state``
-``finalize``, ``health_check``  ``(state, ex) -> ...``    ``(frozen_state) -> frozen_state``,
-                                                          the exception in ``fn_exception``
-``rank_assignment``           ``(state, terminated)``     ``(ctx) -> ctx``, filters included
-                              ``-> (state, terminated)``
-``rank_filter``               ``(state) -> state``        (none: filters are assignment steps)
-``completion``, ``terminate``  (none)                     ``(frozen_state) -> frozen_state``
-============================  ==========================  ===============================
+* ``initialize``, ``abort``: ``(state) -> state`` / ``(frozen_state) -> frozen_state``;
+* ``finalize``, ``health_check``: ``(state, exception)`` / ``(frozen_state) ->
+  frozen_state``, the exception in ``frozen_state.fn_exception``;
+* ``rank_assignment``: ``(state, terminated_ranks) -> (state, terminated_ranks)`` /
+  ``(ctx) -> ctx`` (a :class:`~inprocess.rank_assignment.RankAssignmentCtx`),
+  the rank filters being steps of it;
+* ``rank_filter``: ``(state) -> state`` / (none);
+* ``completion``, ``terminate``: (none) / ``(frozen_state) -> frozen_state``.
 
 Which shape a callback expects is read from the callback itself, never from a
 switch: how many positional arguments its ``__call__`` takes (``finalize``,
@@ -32,15 +29,12 @@ from __future__ import annotations
 import dataclasses
 import enum
 import inspect
-import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from .compose import Compose
 from .rank_assignment import RankAssignmentCtx, RankDiscarded
 from .state import FrozenState, Mode, State
-
-log = logging.getLogger(__name__)
 
 
 class Generation(enum.Enum):
@@ -124,7 +118,9 @@ def generation_of(name: str, callback: Any) -> Generation | None:
         return None
     if name in ("initialize", "abort"):
         annotation = _first_annotation(callback)
-        if annotation is FrozenState or annotation in ("FrozenState", "state.FrozenState"):
+        if annotation is FrozenState or (
+            isinstance(annotation, str) and annotation.split(".")[-1] == "FrozenState"
+        ):
             return Generation.NEWER
     return None
 

@@ -11,6 +11,10 @@ Filters chain with :class:`inprocess.Compose` (the last listed runs first)::
     Compose(WorldSizeDivisibleBy(M), MaxActiveWorldSize(N))
 
 gives the largest multiple of ``M`` that is at most ``N`` and at most the world size.
+
+In the API's newer generation the same filters are steps of the rank
+assignment (called with a ``RankAssignmentCtx``), and they set each rank's mode
+and ``active_rank`` themselves: ``Compose(MaxActiveWorldSize(N), ShiftRanks())``.
 """
 
 from __future__ import annotations
