@@ -3,13 +3,15 @@
 Restart latency: from the moment a rank raises (the others wait inside
 all_reduce) to the moment the last rank is back in the function with a new
 process group and one all_reduce done. Measured over consecutive restarts at
-several world sizes with 5 ms monitoring intervals.
+several world sizes with 5 ms monitoring intervals, for the same script written
+with the usage guide's callbacks and with the newer generation's (one run each,
+alternating per world size).
 
 Overhead: the same training loop (a 256x256 matmul step and an all_reduce of
 the gradient) run wrapped and unwrapped, alternately (ABBA) in the same 2
 rank processes; only the training loop is timed.
 
-    python benchmarks/restart_latency.py [--restarts 20] [--worlds 2 4 8]
+    python benchmarks/restart_latency.py [--restarts 20] [--worlds 2 4 8] [--styles guide newer]
 """
 
 from __future__ import annotations
@@ -63,10 +65,12 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def restart_latencies(world: int, restarts: int, interval_ms: float) -> tuple[list[float], int]:
+def restart_latencies(
+    world: int, restarts: int, interval_ms: float, style: str = "guide"
+) -> tuple[list[float], int]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
-        run_ranks(world, ["restarts", str(restarts), str(interval_ms)], out)
+        run_ranks(world, ["restarts", str(restarts), str(interval_ms), style], out)
         reports = [json.loads((out / f"restarts{r}.json").read_text()) for r in range(world)]
     faults = {i: t for report in reports for i, t in report["fault"]}
     ready: dict[int, list[float]] = {}
@@ -100,20 +104,26 @@ def main() -> None:
     parser.add_argument("--overhead-rounds", type=int, default=10)
     parser.add_argument("--overhead-steps", type=int, default=500)
     parser.add_argument("--skip-overhead", action="store_true")
+    parser.add_argument(
+        "--styles", nargs="+", choices=["guide", "newer"], default=["guide", "newer"]
+    )
     args = parser.parse_args()
 
     print(
         f"restart latency, {args.interval_ms:g} ms intervals, {args.restarts} consecutive restarts"
     )
-    print(f"{'ranks':>5} {'completed':>10} {'median s':>9} {'p90 s':>7} {'max s':>7}")
+    print(
+        f"{'ranks':>5} {'callbacks':>9} {'completed':>10} {'median s':>9} {'p90 s':>7} {'max s':>7}"
+    )
     for world in args.worlds:
-        latencies, faults = restart_latencies(world, args.restarts, args.interval_ms)
-        done = f"{len(latencies)}/{faults}"
-        print(
-            f"{world:>5} {done:>10} {statistics.median(latencies):>9.3f} "
-            f"{percentile(latencies, 0.9):>7.3f} {max(latencies):>7.3f}",
-            flush=True,
-        )
+        for style in args.styles:
+            latencies, faults = restart_latencies(world, args.restarts, args.interval_ms, style)
+            done = f"{len(latencies)}/{faults}"
+            print(
+                f"{world:>5} {style:>9} {done:>10} {statistics.median(latencies):>9.3f} "
+                f"{percentile(latencies, 0.9):>7.3f} {max(latencies):>7.3f}",
+                flush=True,
+            )
     if args.skip_overhead:
         return
     print(

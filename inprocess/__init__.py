@@ -10,8 +10,10 @@ Two layers:
 
 from . import (
     abort,
+    completion,
     exception,
     finalize,
+    generation,
     health_check,
     initialize,
     monitor_thread,
@@ -19,6 +21,7 @@ from . import (
     rank_filter,
     state,
     store,
+    terminate,
     tools,
 )
 from .compose import Compose
@@ -29,8 +32,10 @@ __all__ = [
     "Compose",
     "Wrapper",
     "abort",
+    "completion",
     "exception",
     "finalize",
+    "generation",
     "health_check",
     "initialize",
     "monitor_thread",
@@ -38,6 +43,7 @@ __all__ = [
     "rank_filter",
     "state",
     "store",
+    "terminate",
     "tools",
 ]
 

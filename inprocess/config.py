@@ -16,13 +16,20 @@ import pathlib
 from typing import Any
 
 from .abort import Abort
+from .completion import Completion
 from .compose import Compose
 from .finalize import Finalize
+from .generation import Generation, wrapper_generation
 from .health_check import HealthCheck
 from .initialize import Initialize
-from .rank_assignment import RankAssignment
+from .rank_assignment import ActivateAllRanks, RankAssignment, ShiftRanks
 from .rank_filter import RankFilter
 from .store import StoreMixin
+from .terminate import Terminate
+
+#: the Wrapper's ``rank_assignment`` when none is given: the default of the
+#: generation its other callbacks are written for
+DEFAULT_RANK_ASSIGNMENT: Any = object()
 
 #: longest duration any timeout or interval may have: longer ones are mistakes
 #: (and overflow the waits of threads and of the store)
@@ -71,6 +78,11 @@ class WrapperConfig:
     termination_grace_time: float = _duration()
     monitor_process_logfile: str | None = None
     enabled: bool = True
+    monitor_process_pidfile: str | None = None
+    completion: Completion | None = None
+    terminate: Terminate | None = None
+    #: derived from the callbacks' shapes (see :mod:`inprocess.generation`)
+    generation: Generation = Generation.GUIDE
 
     @staticmethod
     def durations() -> tuple[str, ...]:
@@ -88,8 +100,8 @@ class WrapperConfig:
         """
         a = dict(arguments)
         callbacks = ("initialize", "abort", "finalize", "health_check", "rank_assignment")
-        for name in (*callbacks, "rank_filter"):
-            a[name] = _compose_sequence(a[name])
+        for name in (*callbacks, "rank_filter", "completion", "terminate"):
+            a[name] = _compose_sequence(a.get(name))
         if a["heartbeat_interval"] is None:
             a["heartbeat_interval"] = a["monitor_process_interval"]
 
@@ -115,10 +127,28 @@ class WrapperConfig:
         _check_type(
             "health_check", a["health_check"], (HealthCheck, type(None)), "a HealthCheck or None"
         )
-        _check_type("rank_assignment", a["rank_assignment"], RankAssignment, "a RankAssignment")
         _check_type(
             "rank_filter", a["rank_filter"], (RankFilter, type(None)), "a RankFilter or None"
         )
+        _check_type("completion", a["completion"], (Completion, type(None)), "a Completion or None")
+        _check_type("terminate", a["terminate"], (Terminate, type(None)), "a Terminate or None")
+        default_assignment = a["rank_assignment"] is DEFAULT_RANK_ASSIGNMENT
+        if not default_assignment:
+            _check_type(
+                "rank_assignment", a["rank_assignment"], RankAssignment, "a RankAssignment"
+            )
+        # Each callback's shape says which generation of the API it is written
+        # for; mixing them is an error naming the arguments.
+        shaped = (*callbacks, "rank_filter", "completion", "terminate")
+        a["generation"] = wrapper_generation(
+            {n: a[n] for n in shaped if not (n == "rank_assignment" and default_assignment)}
+        )
+        if default_assignment:
+            a["rank_assignment"] = (
+                Compose(ActivateAllRanks(), ShiftRanks())
+                if a["generation"] is Generation.NEWER
+                else ShiftRanks()
+            )
 
         for name in cls.durations():
             value = a[name]
@@ -138,26 +168,29 @@ class WrapperConfig:
                     f"{shorter}={a[shorter]}, {longer}={a[longer]}"
                 )
 
-        logfile = a["monitor_process_logfile"]
-        _check_type("monitor_process_logfile", logfile, (str, type(None)), "a str or None")
-        if logfile is not None:
-            if not pathlib.Path(logfile).is_absolute():
-                raise ValueError(
-                    "Wrapper(monitor_process_logfile=...) must be an absolute path, "
-                    f"got {logfile!r}"
-                )
-            try:
-                logfile.format(rank=0)
-            except (KeyError, IndexError, ValueError) as ex:
-                raise ValueError(
-                    "Wrapper(monitor_process_logfile=...) may only contain the {rank} "
-                    f"placeholder, got {logfile!r}"
-                ) from ex
+        a.setdefault("monitor_process_pidfile", None)
+        for name in ("monitor_process_logfile", "monitor_process_pidfile"):
+            _check_path(name, a[name])
         _check_type("enabled", a["enabled"], bool, "a bool")
 
         for name in cls.durations():
             a[name] = a[name].total_seconds()
         return cls(**a)
+
+
+def _check_path(name: str, path: Any) -> None:
+    """An absolute path that may contain the ``{rank}`` placeholder, or None."""
+    _check_type(name, path, (str, type(None)), "a str or None")
+    if path is None:
+        return
+    if not pathlib.Path(path).is_absolute():
+        raise ValueError(f"Wrapper({name}=...) must be an absolute path, got {path!r}")
+    try:
+        path.format(rank=0)
+    except (KeyError, IndexError, ValueError) as ex:
+        raise ValueError(
+            f"Wrapper({name}=...) may only contain the {{rank}} placeholder, got {path!r}"
+        ) from ex
 
 
 def _compose_sequence(value: Any) -> Any:

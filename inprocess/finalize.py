@@ -13,7 +13,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from .state import State
+from .state import State, shaped_result
 from .timeouts import call_with_timeout
 
 log = logging.getLogger(__name__)
@@ -71,4 +71,4 @@ class ThreadedFinalize(Finalize):
         call_with_timeout(
             lambda: self.fn(*self.args, **self.kwargs), self.timeout.total_seconds(), name
         )
-        return state, train_ex
+        return shaped_result(state, train_ex)

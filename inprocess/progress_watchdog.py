@@ -186,6 +186,7 @@ class ProgressWatchdog(threading.Thread):
         self._manual = now
         self._manual_active = False
         self._call_pending = False
+        self._protected = True  # False: hang protection off (see set_hang_protection)
         self._stop_event = threading.Event()
         # The semaphore is shared by every watchdog of the process (one at a
         # time runs automatic heartbeats: the main thread's). A post left by an
@@ -207,6 +208,26 @@ class ProgressWatchdog(threading.Thread):
         self._manual_active = True
         self.board.write_manual(now, True)
 
+    def set_hang_protection(self, enabled: bool) -> None:
+        """Turns the soft and hard timeouts off (``False``) or on again.
+
+        While off, both clocks read "progress now" (the soft clock reads no
+        stall, the board's timestamps are kept fresh by every tick), so an
+        operation that legitimately runs longer than the timeouts (a checkpoint,
+        a compilation) is neither restarted nor terminated; faults are still
+        detected and still restart. Turned on again, progress counts from that
+        moment: the operation's duration is never held against the rank. A new
+        iteration (:meth:`resume`) turns it on.
+        """
+        with self._lock:
+            now = time.monotonic()
+            self._protected = enabled
+            self._auto = self._manual = now
+            self._progress = now
+            self._carry = 0.0
+            self.board.write_auto(now)
+            self.board.write_manual(now, self._manual_active)
+
     def resume(self, iteration: int) -> None:
         """Enters the wrapped function for ``iteration``.
 
@@ -218,6 +239,7 @@ class ProgressWatchdog(threading.Thread):
             self._carry = max(0.0, now - self._progress)
             self._in_function = True
             self._frozen = False
+            self._protected = True
             self._resumed_at = now
             self._auto = now
             self._manual = now
@@ -255,6 +277,8 @@ class ProgressWatchdog(threading.Thread):
 
     def stalled_for(self) -> float:
         """Seconds since the least recent relevant heartbeat of this iteration (soft clock)."""
+        if not self._protected:
+            return 0.0
         now = time.monotonic()
         stalled = now - self._auto if self.automatic else 0.0
         if self._manual_active:
@@ -265,11 +289,19 @@ class ProgressWatchdog(threading.Thread):
         while not self._stop_event.wait(self.interval):
             if not self.automatic:
                 self.board.write_auto(time.monotonic())
+                if not self._protected:
+                    self.board.write_manual(time.monotonic(), self._manual_active)
                 continue
             with self._lock:
                 self._tick(time.monotonic())
 
     def _tick(self, now: float) -> None:
+        if not self._protected:
+            # Invariant: while off, the board always reads progress within one tick.
+            self._auto = self._manual = self._progress = now
+            self.board.write_auto(now)
+            self.board.write_manual(now, self._manual_active)
+            return
         if self._call_pending and _pending_call_ran():
             # The main thread ran bytecode between the queueing and now.
             self._call_pending = False

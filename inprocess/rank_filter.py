@@ -3,6 +3,18 @@
 The code lives in :mod:`inprocess.rank_assignment.filter`.
 """
 
-from .rank_assignment.filter import MaxActiveWorldSize, RankFilter, WorldSizeDivisibleBy
+from .rank_assignment.filter import (
+    ActivateAllRanks,
+    ActiveWorldSizeDivisibleBy,
+    MaxActiveWorldSize,
+    RankFilter,
+    WorldSizeDivisibleBy,
+)
 
-__all__ = ["MaxActiveWorldSize", "RankFilter", "WorldSizeDivisibleBy"]
+__all__ = [
+    "ActivateAllRanks",
+    "ActiveWorldSizeDivisibleBy",
+    "MaxActiveWorldSize",
+    "RankFilter",
+    "WorldSizeDivisibleBy",
+]

@@ -3,6 +3,10 @@
 :class:`State` is what the user callbacks (initialize, abort, finalize, health
 check, rank assignment, rank filter) receive and return. It is a plain mutable
 dataclass so callbacks written for the seed API (``state.rank = ...``) work.
+
+Callbacks of the API's newer generation receive a read-only snapshot instead,
+:class:`FrozenState` (:meth:`State.freeze`), with the exception that ended the
+iteration in ``fn_exception``.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from typing import Any
 class Mode(enum.Enum):
     """What a rank does in the current iteration."""
 
+    #: the state was built, no rank assignment has run yet (newer generation)
+    INITIALIZED = "initialized"
     #: calls the wrapped function
     ACTIVE = "active"
     #: a spare: waits, ready to be activated in a later iteration
@@ -50,6 +56,10 @@ class State:
         initial_world_size: world size the job was launched with (``WORLD_SIZE``).
         iteration: index of the restart iteration, 0 for the first call.
         mode: :class:`Mode` of this rank, derived by the rank filter.
+        active_rank: rank among active ranks, ``None`` for an inactive rank.
+            Kept equal to ``rank`` for active ranks by the usage guide's filters
+            (:meth:`apply_active_world_size`); a newer-generation rank assignment
+            may set it on its own (it is the ``RANK`` the function sees).
         store: the iteration's distributed store (set by the Wrapper; used by
             rank assignments that exchange information, e.g. ``FilterGroupedByKey``).
         fn_exception: the exception that ended the previous iteration on this
@@ -65,6 +75,7 @@ class State:
     mode: Mode = Mode.ACTIVE
     store: Any = dataclasses.field(default=None, repr=False, compare=False)
     fn_exception: BaseException | None = dataclasses.field(default=None, repr=False, compare=False)
+    active_rank: int | None = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.rank is None:
@@ -81,16 +92,14 @@ class State:
             raise ValueError(f"world_size must be >= 1, got {self.world_size}")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank must be in [0, {self.world_size}), got {self.rank}")
-
-    @property
-    def active_rank(self) -> int | None:
-        """Rank among active ranks, ``None`` for an inactive rank."""
-        return self.rank if self.mode == Mode.ACTIVE else None
+        if self.active_rank is None and self.mode == Mode.ACTIVE:
+            self.active_rank = self.rank
 
     def activate_all(self) -> None:
         """Makes every rank active (the state before any rank filter runs)."""
         self.active_world_size = self.world_size
         self.mode = Mode.ACTIVE
+        self.active_rank = self.rank
 
     def apply_active_world_size(self) -> None:
         """Derives :attr:`mode` from :attr:`active_world_size`: the first ranks are active."""
@@ -104,7 +113,48 @@ class State:
                 f"active_world_size must be in [0, {self.world_size}], got {self.active_world_size}"
             )
         self.mode = Mode.ACTIVE if self.rank < self.active_world_size else Mode.INACTIVE
+        self.active_rank = self.rank if self.mode == Mode.ACTIVE else None
 
     def copy(self) -> State:
         """A shallow copy: the store and the exception are shared, not copied."""
         return dataclasses.replace(self)
+
+    def freeze(self) -> FrozenState:
+        """A read-only snapshot, what the newer generation's callbacks receive."""
+        fields = dataclasses.fields(FrozenState)
+        return FrozenState(**{f.name: getattr(self, f.name) for f in fields})
+
+
+@dataclasses.dataclass(frozen=True)
+class FrozenState:
+    """A read-only :class:`State` (without the store): the argument of the API's
+    newer generation of callbacks (``Initialize``, ``Abort``, ``Finalize``,
+    ``HealthCheck``, ``Completion``, ``Terminate``: ``(frozen_state) ->
+    frozen_state``). Assigning a field raises ``dataclasses.FrozenInstanceError``.
+
+    ``fn_exception`` is the exception that ended the function in this
+    iteration (what the usage guide's callbacks get as a second argument).
+    """
+
+    rank: int
+    world_size: int
+    active_rank: int | None
+    active_world_size: int | None
+    initial_rank: int
+    initial_world_size: int
+    iteration: int
+    mode: Mode
+    fn_exception: BaseException | None = dataclasses.field(default=None, repr=False, compare=False)
+
+
+def shaped_result(state: Any, train_ex: BaseException | None) -> Any:
+    """What a built-in finalize or health check returns, in the shape it was called with:
+    ``(state, train_ex)`` for the usage guide's, the frozen state for the newer generation's."""
+    return state if isinstance(state, FrozenState) else (state, train_ex)
+
+
+def exception_of(state: Any, train_ex: BaseException | None) -> BaseException | None:
+    """The exception a finalize or health check is about, in either generation's shape."""
+    if train_ex is None and isinstance(state, FrozenState):
+        return state.fn_exception
+    return train_ex

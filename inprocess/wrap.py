@@ -42,11 +42,13 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from . import generation as _gen
 from . import monitor_thread as _mt
 from . import protocol
 from .abort import Abort, AbortTorchDistributed
 from .abort.rendezvous import fresh_env_rendezvous, release_held_servers
-from .config import WrapperConfig
+from .completion import Completion
+from .config import DEFAULT_RANK_ASSIGNMENT, WrapperConfig
 from .exception import HealthCheckError, InternalError, StoreError
 from .exception import TimeoutError as RestartTimeoutError
 from .finalize import Finalize
@@ -55,7 +57,7 @@ from .initialize import Initialize
 from .monitor_process import MonitorConfig, MonitorProcess
 from .monitor_thread import InterruptSignal, MonitorThread, RankShouldRestart
 from .progress_watchdog import ProgressBoard, ProgressWatchdog
-from .rank_assignment import RankAssignment, RankDiscarded, ShiftRanks
+from .rank_assignment import RankAssignment, RankDiscarded
 from .rank_filter import RankFilter
 from .state import Mode, State
 from .store import (
@@ -69,6 +71,7 @@ from .store import (
     job_namespace,
     new_identity,
 )
+from .terminate import Terminate
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +161,17 @@ class Wrapper:
         monitor_process_logfile: absolute path of the monitor process's log file,
             may contain ``{rank}`` (the initial rank).
         enabled: ``False`` returns the function untouched.
+        monitor_process_pidfile: absolute path of a file holding the monitor
+            process's pid while it runs, may contain ``{rank}``.
+        completion: runs on every rank still in the job once the call completed.
+        terminate: runs on a rank whose call ends with an exception.
+
+    Callbacks may be written for the usage guide's generation of the API or
+    for the newer one (``(frozen_state)``, ``(ctx)``, ``completion``,
+    ``terminate``); which one each expects is read from the callback itself
+    (:mod:`inprocess.generation`), and mixing them is an error. Without a
+    ``rank_assignment``, the default is the generation's: ``ShiftRanks()``, or
+    ``Compose(ActivateAllRanks(), ShiftRanks())``.
     """
 
     def __init__(
@@ -169,7 +183,7 @@ class Wrapper:
         abort: Abort | None = _UNSET,
         finalize: Finalize | None = None,
         health_check: HealthCheck | None = None,
-        rank_assignment: RankAssignment = _UNSET,
+        rank_assignment: RankAssignment = DEFAULT_RANK_ASSIGNMENT,
         rank_filter: RankFilter | None = None,
         monitor_thread_interval: datetime.timedelta = datetime.timedelta(seconds=1),
         monitor_process_interval: datetime.timedelta = datetime.timedelta(seconds=1),
@@ -184,11 +198,12 @@ class Wrapper:
         termination_grace_time: datetime.timedelta = datetime.timedelta(seconds=5),
         monitor_process_logfile: str | None = None,
         enabled: bool = True,
+        monitor_process_pidfile: str | None = None,
+        completion: Completion | None = None,
+        terminate: Terminate | None = None,
     ) -> None:
         if abort is _UNSET:
             abort = AbortTorchDistributed()
-        if rank_assignment is _UNSET:
-            rank_assignment = ShiftRanks()
         # Every argument by name: the config's fields are their one list, and
         # it checks them all, once.
         arguments = dict(locals())
@@ -347,6 +362,30 @@ class CallWrapper:
         if self._watchdog is not None:
             self._watchdog.ping()
 
+    def disable_hang_protection(self) -> None:
+        """Turns the soft and hard timeouts off, e.g. around a long checkpoint.
+
+        Faults are still detected and still restart the function (a peer's
+        fault, an exception here, a dead rank); only "no progress" is not a
+        fault until :meth:`enable_hang_protection` (or the next iteration).
+        """
+        if self._watchdog is not None:
+            self._watchdog.set_hang_protection(False)
+
+    def enable_hang_protection(self) -> None:
+        """Turns the soft and hard timeouts on again; progress counts from now."""
+        if self._watchdog is not None:
+            self._watchdog.set_hang_protection(True)
+
+    @contextlib.contextmanager
+    def hang_protection_disabled(self) -> Iterator[None]:
+        """The soft and hard timeouts off inside the block (see :meth:`disable_hang_protection`)."""
+        self.disable_hang_protection()
+        try:
+            yield
+        finally:
+            self.enable_hang_protection()
+
     @contextlib.contextmanager
     def atomic(self) -> Iterator[None]:
         """A block that the termination procedure never interrupts.
@@ -382,6 +421,7 @@ class CallWrapper:
             # The call owns what it created: the frames of ours that the
             # caller's traceback holds must not keep a store (or its server) alive.
             _clear_own_frames(ex)
+            self._on_terminate(ex)
             raise
 
     def _run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -396,6 +436,10 @@ class CallWrapper:
             else:
                 prev_members = self._initial_barrier()
                 previous, terminated, joiners, iteration = self._copy_state(), set(), [], 0
+                if self._config.generation is _gen.Generation.NEWER:
+                    # The newer generation's first assignment sees a state it
+                    # has not decided on yet.
+                    previous.mode, previous.active_rank = Mode.INITIALIZED, None
 
             while True:
                 current = self._iteration_barrier(
@@ -410,6 +454,7 @@ class CallWrapper:
                     _clear_own_frames(result.exception)
                 if result.completed:
                     self._finish(current)
+                    self._on_completion()
                     return result.value if self.state.mode == Mode.ACTIVE else None
                 previous = self._copy_state()
                 self._abort()
@@ -462,6 +507,10 @@ class CallWrapper:
         monitor.start(timeout=c.barrier_timeout)
         cleanup.callback(monitor.shutdown)
         self._monitor_process = monitor
+        if c.monitor_process_pidfile is not None:
+            cleanup.callback(
+                _write_pidfile(c.monitor_process_pidfile, self.state.initial_rank, monitor)
+            )
 
         on_main_thread = threading.current_thread() is threading.main_thread()
         self._watchdog = ProgressWatchdog(
@@ -487,7 +536,7 @@ class CallWrapper:
             soft_timeout=c.soft_timeout,
             stalled_for=self._watchdog.stalled_for,
             on_interrupt=self._watchdog.freeze,
-            abort=c.abort,
+            abort=_gen.as_state_callback(c.abort, c.generation),
             interrupt=self._interrupt,
         )
         self._monitor.start()
@@ -612,6 +661,7 @@ class CallWrapper:
             value, assigned = protocol.JOIN, self.state.copy()
             if previous is not None:
                 value, assigned = self._assign_rank(previous, prev_members, terminated, name)
+            planned = assigned.copy()
             participants = [m for m in prev_members if m not in terminated] + joiners
             decision = protocol.decode_membership(
                 self.store.rendezvous(
@@ -640,10 +690,14 @@ class CallWrapper:
             s.iteration = iteration
             s.rank = members.index(self.identity)
             s.world_size = len(members)
-            s.activate_all()
-            if w.rank_filter is not None:
-                self.state = s = w.rank_filter(s)
-            s.apply_active_world_size()
+            if w.generation is _gen.Generation.NEWER:
+                # Its rank assignment decided the modes (its filters are steps of it).
+                _gen.settle(s, planned, joined=previous is None)
+            else:
+                s.activate_all()
+                if w.rank_filter is not None:
+                    self.state = s = w.rank_filter(s)
+                s.apply_active_world_size()
             if s.rank == 0:
                 self.store.publish_membership(iteration, members)
             log.info(
@@ -668,7 +722,9 @@ class CallWrapper:
         state.store = PrefixStore(f"{name}/assignment", self.store)
         terminated_ranks = {prev_members.index(t) for t in terminated if t in prev_members}
         try:
-            state, unhandled = self._config.rank_assignment(state, terminated_ranks)
+            state, unhandled = _gen.assign(
+                self._config.rank_assignment, self._config.generation, state, terminated_ranks
+            )
             self._track(state)
         except RankDiscarded:
             return protocol.DISCARD, previous
@@ -769,9 +825,7 @@ class CallWrapper:
             if self._config.health_check is not None:
                 # A check failing here is a fault of this iteration: it takes the
                 # normal restart path (the check runs again after the fault).
-                self.state = _returned_state(
-                    self._config.health_check(self.state, None), self.state
-                )
+                self.state = _returned_state(self._invoke("health_check", None), self.state)
             # initialize and the health check may have returned a new State.
             if self.state.mode == Mode.ACTIVE:
                 with self._function_environment(current):
@@ -848,7 +902,7 @@ class CallWrapper:
     @contextlib.contextmanager
     def _function_environment(self, current: _Iteration) -> Iterator[None]:
         s = self.state
-        os.environ["RANK"] = str(s.rank)
+        os.environ["RANK"] = str(s.rank if s.active_rank is None else s.active_rank)
         os.environ["WORLD_SIZE"] = str(s.active_world_size)
         with fresh_env_rendezvous(self.store, current.index):
             yield
@@ -858,15 +912,21 @@ class CallWrapper:
     # A callback's return value is used only when it is a State (or a tuple
     # starting with one); anything else, ``None`` included, keeps the current state.
 
+    def _invoke(self, name: str, *exception: BaseException | None) -> Any:
+        """Calls the callback ``name`` in the shape of its generation (``exception``: the
+        usage guide's second argument, the newer generation's ``fn_exception``)."""
+        callback = getattr(self._config, name)
+        return _gen.invoke(callback, self._config.generation, self.state, *exception)
+
     def _initialize(self) -> None:
         if self._config.initialize is not None:
-            self.state = _returned_state(self._config.initialize(self.state), self.state)
+            self.state = _returned_state(self._invoke("initialize"), self.state)
 
     def _abort(self) -> None:
         if self._config.abort is None:
             return
         try:
-            self.state = _returned_state(self._config.abort(self.state), self.state)
+            self.state = _returned_state(self._invoke("abort"), self.state)
         except Exception:
             self._terminate_self("abort failed")
             raise
@@ -875,7 +935,7 @@ class CallWrapper:
         if self._config.finalize is None:
             return
         try:
-            self.state = _returned_state(self._config.finalize(self.state, ex), self.state)
+            self.state = _returned_state(self._invoke("finalize", ex), self.state)
         except BaseException as failure:
             self._terminate_self(f"finalize failed: {failure!r}")
             raise
@@ -886,7 +946,7 @@ class CallWrapper:
         if self._config.health_check is None:
             return
         try:
-            self.state = _returned_state(self._config.health_check(self.state, ex), self.state)
+            self.state = _returned_state(self._invoke("health_check", ex), self.state)
         except Exception as failure:
             self._terminate_self(f"health check failed: {failure!r}")
             if isinstance(failure, HealthCheckError) and failure.__cause__ in (None, ex):
@@ -897,6 +957,25 @@ class CallWrapper:
         except BaseException as failure:
             self._terminate_self(f"health check failed: {failure!r}")
             raise
+
+    def _on_completion(self) -> None:
+        """The newer generation's ``completion``: its failure is logged, not raised."""
+        if self._config.completion is None:
+            return
+        try:
+            self._config.completion(_gen.frozen(self.state))
+        except Exception as ex:
+            log.error("%s: completion failed: %r", self.identity, ex)
+
+    def _on_terminate(self, ex: BaseException) -> None:
+        """The newer generation's ``terminate``, as this rank's call ends with ``ex``."""
+        if self._config.terminate is None:
+            return
+        try:
+            self._config.terminate(_gen.frozen(self.state, ex))
+        except Exception as failure:
+            log.error("%s: terminate failed: %r", self.identity, failure)
+            raise failure from ex
 
     def _terminate_self(self, reason: str) -> None:
         """Records that this rank leaves the job, so the others go on without it."""
@@ -1016,6 +1095,25 @@ def _clear_own_frames(ex: BaseException) -> None:
                     frame.clear()
             tb = tb.tb_next
         pending += [current.__cause__, current.__context__]
+
+
+def _write_pidfile(template: str, rank: int, monitor: MonitorProcess) -> Callable[[], None]:
+    """Writes the monitor process's pid (atomically); returns what removes the file."""
+    path = template.format(rank=rank)
+    pid = monitor.process.pid
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(f"{pid}\n")
+    os.replace(tmp, path)
+
+    def remove() -> None:
+        with contextlib.suppress(OSError):
+            with open(path) as f:
+                if f.read().strip() != str(pid):
+                    return  # another call's monitor now
+            os.unlink(path)
+
+    return remove
 
 
 def _td(seconds: float) -> datetime.timedelta:

@@ -3,8 +3,10 @@
 Mode "restarts": under the Wrapper with 5 ms intervals, rank ``i % world`` raises
 in iteration ``i`` while the others wait inside all_reduce; every rank records
 (time.monotonic, same host) when it is back in the function with a new process
-group and one all_reduce done. Mode "overhead": the same training loop, wrapped
-or not, timed.
+group and one all_reduce done. The Wrapper's callbacks are written in the usage
+guide's style or in the newer generation's (``style``): the same no-op finalize
+and health check, in either shape. Mode "overhead": the same training loop,
+wrapped or not, timed.
 """
 
 from __future__ import annotations
@@ -28,11 +30,49 @@ ms = datetime.timedelta(milliseconds=1)
 s = datetime.timedelta(seconds=1)
 
 
-def restarts(count: int, interval_ms: float) -> None:
+class GuideFinalize(inprocess.finalize.Finalize):
+    def __call__(self, state, train_ex):
+        return state, train_ex
+
+
+class GuideHealthCheck(inprocess.health_check.HealthCheck):
+    def __call__(self, state, train_ex):
+        return state, train_ex
+
+
+class NewerFinalize(inprocess.finalize.Finalize):
+    def __call__(self, state: inprocess.state.FrozenState) -> inprocess.state.FrozenState:
+        return state
+
+
+class NewerHealthCheck(inprocess.health_check.HealthCheck):
+    def __call__(self, state: inprocess.state.FrozenState) -> inprocess.state.FrozenState:
+        return state
+
+
+class NewerCompletion(inprocess.completion.Completion):
+    def __call__(self, state: inprocess.state.FrozenState) -> inprocess.state.FrozenState:
+        return state
+
+
+def callbacks(style: str) -> dict:
+    if style == "guide":
+        return dict(finalize=GuideFinalize(), health_check=GuideHealthCheck())
+    ra = inprocess.rank_assignment
+    return dict(
+        finalize=NewerFinalize(),
+        health_check=NewerHealthCheck(),
+        rank_assignment=inprocess.Compose(ra.ActivateAllRanks(), ra.ShiftRanks()),
+        completion=NewerCompletion(),
+    )
+
+
+def restarts(count: int, interval_ms: float, style: str = "guide") -> None:
     fast = interval_ms * ms
     times: dict[str, list] = {"fault": [], "ready": []}
 
     @inprocess.Wrapper(
+        **callbacks(style),
         monitor_thread_interval=fast,
         monitor_process_interval=fast,
         progress_watchdog_interval=fast,
@@ -120,7 +160,7 @@ if __name__ == "__main__":
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)
     if MODE == "restarts":
-        restarts(int(sys.argv[3]), float(sys.argv[4]))
+        restarts(int(sys.argv[3]), float(sys.argv[4]), *sys.argv[5:6])
     else:
         interval = None if sys.argv[5] == "default" else float(sys.argv[5])
         overhead(int(sys.argv[3]), int(sys.argv[4]), interval)

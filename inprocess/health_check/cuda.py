@@ -9,7 +9,7 @@ import torch
 
 from ..exception import HealthCheckError
 from ..exception import TimeoutError as RestartTimeoutError
-from ..state import State
+from ..state import State, shaped_result
 from ..timeouts import call_with_timeout
 from .base import HealthCheck, env_local_rank
 
@@ -55,7 +55,7 @@ class CudaHealthCheck(HealthCheck):
     ) -> tuple[State, BaseException | None]:
         if not torch.cuda.is_initialized() or not torch.cuda.is_available():
             log.debug("CUDA is not initialized in this process: nothing to check")
-            return state, train_ex
+            return shaped_result(state, train_ex)
         try:
             device = self._device()
         except Exception as ex:
@@ -76,4 +76,4 @@ class CudaHealthCheck(HealthCheck):
                 f"CUDA device {device}: torch.cuda.synchronize() failed: {ex}"
             ) from ex
         log.debug("CUDA device %d synchronized", device)
-        return state, train_ex
+        return shaped_result(state, train_ex)

@@ -6,7 +6,7 @@ import logging
 
 from ..exception import HealthCheckError
 from ..monitor_thread import RankShouldRestart
-from ..state import State
+from ..state import State, exception_of, shaped_result
 from .base import HealthCheck
 
 log = logging.getLogger(__name__)
@@ -44,8 +44,9 @@ class FaultCounter(HealthCheck):
     def __call__(
         self, state: State, train_ex: BaseException | None = None
     ) -> tuple[State, BaseException | None]:
+        train_ex = exception_of(state, train_ex)
         if train_ex is None or isinstance(train_ex, RankShouldRestart):
-            return state, train_ex
+            return shaped_result(state, train_ex)
         self.faults_count += 1
         log.debug("rank %s: fault %d (%r)", state.rank, self.faults_count, train_ex)
         if self.max_rank_faults is not None and self.faults_count > self.max_rank_faults:
@@ -53,4 +54,4 @@ class FaultCounter(HealthCheck):
                 f"rank {state.rank} (initial rank {state.initial_rank}) had "
                 f"{self.faults_count} faults, more than max_rank_faults={self.max_rank_faults}"
             ) from train_ex
-        return state, train_ex
+        return shaped_result(state, train_ex)

@@ -7,7 +7,7 @@ import os
 from typing import Any
 
 from ..exception import HealthCheckError
-from ..state import State
+from ..state import State, shaped_result
 from .base import HealthCheck, env_local_rank
 
 log = logging.getLogger(__name__)
@@ -114,7 +114,7 @@ class NVMLHealthCheck(HealthCheck):
         if findings:
             raise HealthCheckError(f"GPU {label} is unhealthy: {'; '.join(findings)}")
         log.debug("NVML health check of GPU %s passed", label)
-        return state, train_ex
+        return shaped_result(state, train_ex)
 
     def _missing(
         self, state: State, train_ex: BaseException | None, reason: str
@@ -124,7 +124,7 @@ class NVMLHealthCheck(HealthCheck):
                 f"NVML is not available: {reason} (use on_missing='skip' to pass without NVML)"
             )
         log.info("NVML health check skipped: %s", reason)
-        return state, train_ex
+        return shaped_result(state, train_ex)
 
     @staticmethod
     def _handle(pynvml: Any, cuda_index: int) -> tuple[Any, str]:

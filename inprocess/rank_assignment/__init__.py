@@ -20,18 +20,40 @@ A rank that finds itself among the terminated ranks raises
 Rank filters (:mod:`.filter`, public as :mod:`inprocess.rank_filter`) then
 decide how many of the renumbered ranks are active.
 
+The API's newer generation calls an assignment with one
+:class:`RankAssignmentCtx` and expects one back (``ctx -> ctx``); its filters
+(:class:`RankFilter`, :class:`ActivateAllRanks`, :class:`MaxActiveWorldSize`,
+:class:`ActiveWorldSizeDivisibleBy`) are steps of the assignment, and its
+default is ``Compose(ActivateAllRanks(), ShiftRanks())``. The built-in
+assignments and filters serve both shapes; :class:`FilterGroupedByKey` is the
+usage guide's, :class:`FilterCountGroupedByKey` the newer generation's.
+
 Modules: :mod:`.base` (the base class), :mod:`.renumber` (final assignments),
 :mod:`.grouped` (group filter), :mod:`.filter` (rank filters).
 """
 
-from .base import RankAssignment, RankDiscarded
-from .grouped import FilterGroupedByKey
+from .base import RankAssignment, RankAssignmentCtx, RankDiscarded
+from .filter import (
+    ActivateAllRanks,
+    ActiveWorldSizeDivisibleBy,
+    RankFilter,
+    WorldSizeDivisibleBy,
+)
+from .filter import MaxActiveWorldSizeOrNone as MaxActiveWorldSize
+from .grouped import FilterCountGroupedByKey, FilterGroupedByKey
 from .renumber import FillGaps, ShiftRanks
 
 __all__ = [
+    "ActivateAllRanks",
+    "ActiveWorldSizeDivisibleBy",
     "FillGaps",
+    "FilterCountGroupedByKey",
     "FilterGroupedByKey",
+    "MaxActiveWorldSize",
     "RankAssignment",
+    "RankAssignmentCtx",
     "RankDiscarded",
+    "RankFilter",
     "ShiftRanks",
+    "WorldSizeDivisibleBy",
 ]

@@ -4,17 +4,41 @@ from __future__ import annotations
 
 import abc
 import bisect
+import dataclasses
 import logging
 from collections.abc import Iterable
+from typing import Any
 
 from ..exception import RestartError
-from ..state import State
+from ..state import Mode, State
 
 log = logging.getLogger(__name__)
 
 
 class RankDiscarded(RestartError):
     """This rank is among the terminated ranks and takes no part in the next iteration."""
+
+
+@dataclasses.dataclass
+class RankAssignmentCtx:
+    """What a rank assignment of the API's newer generation receives and returns.
+
+    Newer-generation assignments are called as ``assignment(ctx) -> ctx``
+    (the usage guide's generation: ``assignment(state, terminated_ranks) ->
+    (state, terminated_ranks)``). The fields mean the same in both:
+
+    Attributes:
+        state: this rank's :class:`~inprocess.state.State` in the numbering of
+            the iteration that just ended; an assignment updates it.
+        store: the iteration's distributed store (for assignments that
+            exchange rank-local facts).
+        terminated_ranks: ranks of the ended iteration that must not continue
+            and are not yet handled; a final assignment returns an empty set.
+    """
+
+    state: State
+    store: Any
+    terminated_ranks: set[int]
 
 
 class RankAssignment(abc.ABC):
@@ -34,6 +58,26 @@ class RankAssignment(abc.ABC):
     @abc.abstractmethod
     def __call__(self, state: State, terminated_ranks: set[int]) -> tuple[State, set[int]]:
         raise NotImplementedError
+
+
+def _in_ctx(
+    assignment: Any, ctx: RankAssignmentCtx
+) -> RankAssignmentCtx:
+    """Runs a guide-shaped ``assignment(state, terminated_ranks)`` on a newer-generation ctx.
+
+    The built-in assignments serve both generations: called with one
+    :class:`RankAssignmentCtx` they answer with one (``ctx -> ctx``), called with
+    ``(state, terminated_ranks)`` with the tuple.
+    """
+    if not isinstance(ctx, RankAssignmentCtx):
+        raise TypeError(
+            f"{assignment!r} takes (state, terminated_ranks) or one RankAssignmentCtx, "
+            f"got {type(ctx).__name__}"
+        )
+    if ctx.state.store is None:
+        ctx.state.store = ctx.store
+    state, unhandled = assignment(ctx.state, ctx.terminated_ranks)
+    return RankAssignmentCtx(state, ctx.store, set(unhandled))
 
 
 def _checked(state: State, terminated_ranks: Iterable[int]) -> list[int]:
@@ -73,3 +117,4 @@ def _assign(state: State, new_rank: int, new_world_size: int) -> None:
     # Everybody is active until a rank filter says otherwise; keeps the state
     # consistent (active_world_size <= world_size) between assignment and filter.
     state.active_world_size = new_world_size
+    state.active_rank = new_rank if state.mode == Mode.ACTIVE else None

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from ..exception import InternalError
 from ..state import State
 from ..store import StoreMixin
-from .base import RankAssignment, RankDiscarded, _checked
+from .base import RankAssignment, RankAssignmentCtx, RankDiscarded, _checked, _in_ctx
 
 log = logging.getLogger(__name__)
 
@@ -159,3 +159,33 @@ class FilterGroupedByKey(RankAssignment):
             if sep:
                 keys[int(rank)] = key
         return keys
+
+
+class FilterCountGroupedByKey(FilterGroupedByKey):
+    """The newer generation's group filter: ``ctx -> ctx``; the key from the state.
+
+    Like :class:`FilterGroupedByKey` (same store exchange, same condition on the
+    count of surviving ranks of each group), but ``key_or_fn`` is a string or a
+    callable ``(state) -> key`` evaluated on each rank for itself, and it is called
+    with one :class:`~inprocess.rank_assignment.RankAssignmentCtx`. Follow it with
+    an assignment that discards the terminated ranks::
+
+        Compose(ActivateAllRanks(), ShiftRanks(), FilterCountGroupedByKey(...))
+    """
+
+    def _key(self, state: State) -> str:
+        if isinstance(self.key_or_fn, str):
+            return self.key_or_fn
+        key = self.key_or_fn(state)
+        key = key if isinstance(key, str) else str(key)
+        if "\n" in key:
+            raise ValueError(
+                f"FilterCountGroupedByKey: key of rank {state.rank} spans lines: {key!r}"
+            )
+        return key
+
+    def __call__(self, ctx: RankAssignmentCtx) -> RankAssignmentCtx:  # type: ignore[override]
+        return _in_ctx(super().__call__, ctx)
+
+    def __repr__(self) -> str:
+        return "Count" + super().__repr__().replace("FilterGroupedByKey", "GroupedByKey", 1)

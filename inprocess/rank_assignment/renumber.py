@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import bisect
+from typing import Any
 
-from ..state import State
-from .base import RankAssignment, _assign, _checked
+from .base import RankAssignment, _assign, _checked, _in_ctx
 
 
 class ShiftRanks(RankAssignment):
@@ -21,7 +21,9 @@ class ShiftRanks(RankAssignment):
     rank (and so, often, its data shard or pipeline stage).
     """
 
-    def __call__(self, state: State, terminated_ranks: set[int]) -> tuple[State, set[int]]:
+    def __call__(self, state: Any, terminated_ranks: set[int] | None = None) -> Any:
+        if terminated_ranks is None:  # the newer generation's shape: ctx -> ctx
+            return _in_ctx(self, state)
         terminated = _checked(state, terminated_ranks)
         below = bisect.bisect_left(terminated, state.rank)
         _assign(state, state.rank - below, state.world_size - len(terminated))
@@ -45,7 +47,9 @@ class FillGaps(RankAssignment):
     Fewer ranks change than with :class:`ShiftRanks`, at the cost of order.
     """
 
-    def __call__(self, state: State, terminated_ranks: set[int]) -> tuple[State, set[int]]:
+    def __call__(self, state: Any, terminated_ranks: set[int] | None = None) -> Any:
+        if terminated_ranks is None:  # the newer generation's shape: ctx -> ctx
+            return _in_ctx(self, state)
         terminated = _checked(state, terminated_ranks)
         new_world_size = state.world_size - len(terminated)
         rank = state.rank
