@@ -27,6 +27,7 @@ Modules: :mod:`.base` (the base class), :mod:`.renumber` (final assignments),
 from .base import RankAssignment, RankAssignmentCtx, RankDiscarded
 from .grouped import FilterGroupedByKey
 from .renumber import FillGaps, ShiftRanks
+from .tree import Layer, LayerFlag, Tree
 
 __all__ = [
     "FillGaps",
@@ -36,3 +37,4 @@ __all__ = [
     "RankDiscarded",
     "ShiftRanks",
 ]
+__all__ += ["Layer", "LayerFlag", "Tree"]
