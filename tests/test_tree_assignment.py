@@ -117,8 +117,12 @@ def check_step(
             assert new.ranks[reserve] < new.active_world_size
     for hole, mover in new.backfills:
         assert hole in holes and hole not in filled
-        assert prev.ranks[mover] < prev.active_world_size
-        assert prev.ranks[mover] > holes[hole], "a backfill moved a rank up"
+        # The mover was active, or took another lost rank's place from the reserve.
+        was = prev.ranks[mover] if mover not in filled.values() else holes[
+            next(h for h, r in filled.items() if r == mover)
+        ]
+        assert mover in filled.values() or was < prev.active_world_size
+        assert was > holes[hole], "a backfill moved a rank up"
         top = t.depth - t.backfill_levels
         domain = t.ancestors[t.bottom_of_leaf[hole]][-1 - top]
         assert mover in leaves_of(t, domain)

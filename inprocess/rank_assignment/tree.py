@@ -24,6 +24,7 @@ import bisect
 import dataclasses
 import datetime
 import enum
+import functools
 import heapq
 import json
 import logging
@@ -239,22 +240,65 @@ class Topology:
 class TreeAssignment:
     """The result of one assignment, for every leaf of a :class:`Topology`.
 
+    Stored compactly so that the next assignment copies it at C speed.
+
     Attributes:
-        ranks: the new rank of each leaf (depth-first order), ``None`` when
-            terminated. Ranks ``0 .. active_world_size-1`` are active.
-        world_size: the number of leaves with a rank.
-        active_world_size: the number of active ranks.
+        status: one byte per leaf (depth-first order): 0 active, 1 inactive
+            (reserve), 2 terminated.
+        active_leaves: the leaf of each active rank: active rank ``r`` (which
+            is also its rank) is leaf ``active_leaves[r]``.
+        world_size: the number of ranks (active and inactive).
         reserve_fills: ``(lost leaf, reserve leaf)`` for each lost active rank
             whose place a reserve rank took, in the order they were handled.
         backfills: ``(lost leaf, moved leaf)`` for each lost active rank whose
             place an active rank of its backfill domain took.
+
+    Inactive ranks follow the active ones in tree order.
     """
 
-    ranks: tuple[int | None, ...]
+    status: bytes
+    active_leaves: tuple[int, ...]
     world_size: int
-    active_world_size: int
     reserve_fills: tuple[tuple[int, int], ...] = ()
     backfills: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def active_world_size(self) -> int:
+        return len(self.active_leaves)
+
+    def inactive_leaves(self) -> list[int]:
+        """The leaf of each inactive rank ``active_world_size + i``, in rank order."""
+        return [m.start() for m in _INACTIVE_RE.finditer(self.status)]
+
+    def rank_of(self, leaf: int) -> int | None:
+        """The rank of ``leaf``, ``None`` when terminated."""
+        status = self.status[leaf]
+        if status == _ACTIVE:
+            return self.active_leaves.index(leaf)
+        if status == _INACTIVE:
+            return self.active_world_size + self.status.count(_INACTIVE, 0, leaf)
+        return None
+
+    def leaf_of(self, rank: int) -> int:
+        """The leaf that has ``rank``."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank must be in [0, {self.world_size}), got {rank}")
+        if rank < self.active_world_size:
+            return self.active_leaves[rank]
+        return self.inactive_leaves()[rank - self.active_world_size]
+
+    @functools.cached_property
+    def ranks(self) -> tuple[int | None, ...]:
+        """The rank of every leaf, ``None`` when terminated (for tests and logs)."""
+        ranks: list[int | None] = [None] * len(self.status)
+        for rank, leaf in enumerate(self.active_leaves):
+            ranks[leaf] = rank
+        for i, leaf in enumerate(self.inactive_leaves()):
+            ranks[leaf] = self.active_world_size + i
+        return tuple(ranks)
+
+
+_INACTIVE_RE = re.compile(re.escape(bytes([_INACTIVE])))
 
 
 def initial_assignment(
@@ -264,13 +308,12 @@ def initial_assignment(
     are activated in tree order while every group they belong to is under its
     ``max_ranks``; the active ranks are finally trimmed by ``world_size_filter``."""
     status = bytearray([_INACTIVE]) * topology.size
-    slot = [-1] * topology.size
-    holes = _propagate_terminations(topology, status, slot, {})
+    holes = _propagate_terminations(topology, status, {}, lambda leaf: -1)
     assert not holes
     active = [0] * len(topology.node_depth)
     limits = topology.max_ranks
     depth_of = topology.node_depth
-    count = 0
+    active_leaves: list[int | None] = []
     for leaf in range(topology.size):
         if status[leaf] == _TERMINATED:
             continue
@@ -279,9 +322,8 @@ def initial_assignment(
             for n in chain:
                 active[n] += 1
             status[leaf] = _ACTIVE
-            slot[leaf] = count
-            count += 1
-    return _finish(topology, status, slot, count, world_size_filter, (), ())
+            active_leaves.append(leaf)
+    return _finish(status, active_leaves, world_size_filter, (), ())
 
 
 def next_assignment(
@@ -300,26 +342,21 @@ def next_assignment(
     are backfilled from the backfill domain's highest active ranks; (4) the
     remaining gaps are closed by shifting the active ranks down; (5) the active
     ranks are trimmed by ``world_size_filter``.
+
+    Costs O(n) only in C-level copies and scans, plus Python work in the number
+    of lost ranks and of groups (and the backfill domains' sizes), so that one
+    rank's call stays fast at tens of thousands of ranks.
     """
-    if len(previous.ranks) != topology.size:
+    if len(previous.status) != topology.size:
         raise ValueError(
-            f"previous assignment has {len(previous.ranks)} leaves, the topology {topology.size}"
+            f"previous assignment has {len(previous.status)} leaves, the topology {topology.size}"
         )
-    size = topology.size
-    leaf_of_rank = [-1] * previous.world_size
-    status = bytearray([_TERMINATED]) * size
-    slot = [-1] * size
-    old_active = previous.active_world_size
-    for leaf, rank in enumerate(previous.ranks):
-        if rank is None:
-            continue
-        leaf_of_rank[rank] = leaf
-        if rank < old_active:
-            status[leaf] = _ACTIVE
-            slot[leaf] = rank
-        else:
-            status[leaf] = _INACTIVE
-    lost: dict[int, int] = {}
+    status = bytearray(previous.status)
+    # The leaf of each active rank; a gap is None until the shift closes it.
+    active_leaves: list[int | None] = list(previous.active_leaves)
+    old_active = len(active_leaves)
+    inactive_leaves: list[int] | None = None
+    lost: dict[int, int] = {}  # lost active leaf -> its active rank
     for rank in terminated_ranks:
         if not isinstance(rank, int) or isinstance(rank, bool):
             raise TypeError(f"terminated_ranks must hold ints, got {rank!r}")
@@ -328,18 +365,32 @@ def next_assignment(
                 f"terminated_ranks must be in [0, {previous.world_size}) (the world size of "
                 f"the iteration that ended), got {rank}"
             )
-        leaf = leaf_of_rank[rank]
-        if status[leaf] == _ACTIVE:
-            lost[leaf] = slot[leaf]
+        if rank < old_active:
+            leaf = previous.active_leaves[rank]
+            lost[leaf] = rank
+        else:
+            if inactive_leaves is None:
+                inactive_leaves = previous.inactive_leaves()
+            leaf = inactive_leaves[rank - old_active]
         status[leaf] = _TERMINATED
-        slot[leaf] = -1
-    holes = _propagate_terminations(topology, status, slot, lost)
+
+    slot_of: dict[int, int] = {}
+
+    def slot(leaf: int) -> int:
+        """The active rank of an active leaf (the inverse map, built on first use)."""
+        if not slot_of:
+            slot_of.update((x, s) for s, x in enumerate(previous.active_leaves))
+        return slot_of[leaf]
+
+    holes = _propagate_terminations(topology, status, lost, slot)
+    for hole_slot, _ in holes:
+        active_leaves[hole_slot] = None
 
     # (2) reserve: holes by increasing active rank.
-    active, inactive = _counts(topology, status)
     reserve_fills: list[tuple[int, int]] = []
-    open_holes: list[tuple[int, int]] = []  # (slot, lost leaf)
+    open_holes: list[tuple[int, int]] = []  # (active rank, lost leaf)
     if topology.reserve_levels and holes:
+        active, inactive = _counts(topology, status)
         search = _ReserveSearch(topology, status, active, inactive)
         for hole_slot, leaf in holes:
             found = search.replacement(leaf)
@@ -347,52 +398,44 @@ def next_assignment(
                 open_holes.append((hole_slot, leaf))
                 continue
             status[found] = _ACTIVE
-            slot[found] = hole_slot
+            active_leaves[hole_slot] = found
             for n in topology.ancestors[topology.bottom_of_leaf[found]]:
                 active[n] += 1
                 inactive[n] -= 1
             reserve_fills.append((leaf, found))
     else:
-        open_holes = list(holes)
+        open_holes = holes
 
     # (3) backfill within each domain: its highest active ranks move down into
-    # its lowest gaps; the places they leave are gaps for the shift.
+    # its lowest gaps; the places they leave become gaps.
     backfills: list[tuple[int, int]] = []
-    gaps: list[int] = []
     if topology.backfill_levels and open_holes:
         top = topology.depth - topology.backfill_levels
         by_domain: dict[int, list[tuple[int, int]]] = {}
         for hole_slot, leaf in open_holes:
             domain = topology.ancestors[topology.bottom_of_leaf[leaf]][-1 - top]
             by_domain.setdefault(domain, []).append((hole_slot, leaf))
+        slot_of.clear()  # reserve fills changed it; rebuilt from the current list
+        slot_of.update((x, s) for s, x in enumerate(active_leaves) if x is not None)
         for domain, domain_holes in by_domain.items():
             lo, hi = topology.node_lo[domain], topology.node_hi[domain]
             movers = heapq.nlargest(
                 len(domain_holes),
-                ((slot[m], m) for m in range(lo, hi) if status[m] == _ACTIVE),
+                ((slot_of[m], m) for m in range(lo, hi) if status[m] == _ACTIVE),
             )
             # Holes ascending, movers descending: a mover only moves down.
-            moved = 0
             for (hole_slot, leaf), (mover_slot, mover) in zip(domain_holes, movers, strict=False):
                 if mover_slot <= hole_slot:
                     break
-                slot[mover] = hole_slot
-                gaps.append(mover_slot)
+                active_leaves[hole_slot] = mover
+                active_leaves[mover_slot] = None
                 backfills.append((leaf, mover))
-                moved += 1
-            gaps.extend(hole_slot for hole_slot, _ in domain_holes[moved:])
-    else:
-        gaps = [hole_slot for hole_slot, _ in open_holes]
 
-    # (4) shift the active ranks down over the gaps that are left.
-    count = old_active - len(gaps)
-    if gaps:
-        gaps.sort()
-        for leaf in range(size):
-            if status[leaf] == _ACTIVE:
-                slot[leaf] -= bisect.bisect_left(gaps, slot[leaf])
+    # (4) shift: the gaps left close up.
+    if None in active_leaves:
+        active_leaves = [x for x in active_leaves if x is not None]
     return _finish(
-        topology, status, slot, count, world_size_filter, tuple(reserve_fills), tuple(backfills)
+        status, active_leaves, world_size_filter, tuple(reserve_fills), tuple(backfills)
     )
 
 
@@ -424,13 +467,16 @@ def _counts(topology: Topology, status: bytearray) -> tuple[list[int], list[int]
 
 
 def _propagate_terminations(
-    topology: Topology, status: bytearray, slot: list[int], lost: dict[int, int]
+    topology: Topology,
+    status: bytearray,
+    lost: dict[int, int],
+    slot: Callable[[int], int],
 ) -> list[tuple[int, int]]:
     """Gives up every group under its ``min_ranks``, children first.
 
-    ``lost`` maps each lost active leaf to its active rank; the leaves of the
-    given-up groups that were active join it. Returns ``(active rank, leaf)``
-    of every lost active leaf, sorted.
+    ``lost`` maps each lost active leaf to its active rank; the active leaves
+    of the given-up groups join it (``slot`` gives their active rank). Returns
+    ``(active rank, leaf)`` of every lost active leaf, sorted.
     """
     lo, hi, parent = topology.node_lo, topology.node_hi, topology.node_parent
     minimum, depth_of = topology.min_ranks, topology.node_depth
@@ -442,8 +488,7 @@ def _propagate_terminations(
             alive[n] = 0
             for leaf in range(lo[n], hi[n]):
                 if status[leaf] == _ACTIVE:
-                    lost[leaf] = slot[leaf]
-                    slot[leaf] = -1
+                    lost[leaf] = slot(leaf)
                 status[leaf] = _TERMINATED
         p = parent[n]
         if p >= 0:
@@ -498,16 +543,14 @@ class _ReserveSearch:
 
 
 def _finish(
-    topology: Topology,
     status: bytearray,
-    slot: list[int],
-    count: int,
+    active_leaves: list[int],
     world_size_filter: Callable[[int], int] | None,
     reserve_fills: tuple[tuple[int, int], ...],
     backfills: tuple[tuple[int, int], ...],
 ) -> TreeAssignment:
-    """Applies the world-size filter and numbers the leaves."""
-    active_world_size = count
+    """Applies the world-size filter: the active ranks past it become reserve ranks."""
+    count = len(active_leaves)
     if world_size_filter is not None:
         wanted = world_size_filter(count)
         if not isinstance(wanted, int) or isinstance(wanted, bool) or not 0 <= wanted <= count:
@@ -515,19 +558,13 @@ def _finish(
                 f"Tree: world_size_filter({count}) must return an int in [0, {count}], "
                 f"got {wanted!r}"
             )
-        active_world_size = wanted
-    ranks: list[int | None] = [None] * topology.size
-    reserve = active_world_size
-    for leaf in range(topology.size):
-        state = status[leaf]
-        if state == _TERMINATED:
-            continue
-        if state == _ACTIVE and slot[leaf] < active_world_size:
-            ranks[leaf] = slot[leaf]
-        else:
-            ranks[leaf] = reserve
-            reserve += 1
-    return TreeAssignment(tuple(ranks), reserve, active_world_size, reserve_fills, backfills)
+        for leaf in active_leaves[wanted:]:
+            status[leaf] = _INACTIVE
+        del active_leaves[wanted:]
+    world_size = len(status) - status.count(_TERMINATED)
+    return TreeAssignment(
+        bytes(status), tuple(active_leaves), world_size, reserve_fills, backfills
+    )
 
 
 # ---------------------------------------------------------------- the callback
@@ -638,7 +675,7 @@ class Tree(RankAssignment):
                     f"numbered {base.world_size}; Tree must be the only rank assignment, and "
                     "ranks that join a running job are not supported"
                 )
-            leaf = base.ranks.index(state.rank)
+            leaf = base.leaf_of(state.rank)
             if self._initial_ranks[leaf] != state.initial_rank:
                 raise InternalError(
                     f"Tree: rank {state.rank} has initial rank {state.initial_rank}, but Tree "
@@ -647,7 +684,7 @@ class Tree(RankAssignment):
             result = next_assignment(self.topology, base, terminated, self.world_size_filter)
         self._assigned_iteration, self._base, self._result = iteration, base, result
 
-        rank = result.ranks[leaf]
+        rank = result.rank_of(leaf)
         if rank is None:
             raise RankDiscarded(
                 f"rank {state.rank} (initial rank {state.initial_rank}) is in a group of the "
