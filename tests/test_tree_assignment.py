@@ -68,8 +68,7 @@ def eligible_reserve(t: Topology, a: TreeAssignment, lost_leaf: int) -> int | No
             rank = a.ranks[leaf]
             if rank is None or rank < a.active_world_size:
                 continue
-            path = t.ancestors[t.bottom_of_leaf[leaf]]
-            path = path[: path.index(top) + 1]
+            path = t.ancestors[t.bottom_of_leaf[leaf]]  # up to the root: none may overflow
             if all(
                 limit(t, n) is None
                 or sum(

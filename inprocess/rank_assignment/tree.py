@@ -336,9 +336,11 @@ def next_assignment(
     ``terminated_ranks`` (in that numbering) were lost.
 
     Steps: (1) groups left under ``min_ranks`` are given up, children before
-    parents; (2) each lost active rank, by increasing active rank, is replaced
-    by the first inactive rank (in tree order) of the nearest group on its
-    RESERVE path whose groups stay within ``max_ranks``; (3) gaps still open
+    parents; (2) each lost active rank is replaced by the first inactive rank
+    (in tree order) of its nearest group on its RESERVE path such that no group
+    exceeds its ``max_ranks``: every lost rank's lowest group is searched
+    before any group a layer up, and so on, lost ranks by increasing active
+    rank within a layer; (3) gaps still open
     are backfilled from the backfill domain's highest active ranks; (4) the
     remaining gaps are closed by shifting the active ranks down; (5) the active
     ranks are trimmed by ``world_size_filter``.
@@ -386,25 +388,27 @@ def next_assignment(
     for hole_slot, _ in holes:
         active_leaves[hole_slot] = None
 
-    # (2) reserve: holes by increasing active rank.
+    # (2) reserve: the lowest groups first for every hole, then one layer up,
+    # and so on; within a layer, holes by increasing active rank.
     reserve_fills: list[tuple[int, int]] = []
-    open_holes: list[tuple[int, int]] = []  # (active rank, lost leaf)
+    open_holes: list[tuple[int, int]] = holes  # (active rank, lost leaf)
     if topology.reserve_levels and holes:
         active, inactive = _counts(topology, status)
         search = _ReserveSearch(topology, status, active, inactive)
-        for hole_slot, leaf in holes:
-            found = search.replacement(leaf)
-            if found < 0:
-                open_holes.append((hole_slot, leaf))
-                continue
-            status[found] = _ACTIVE
-            active_leaves[hole_slot] = found
-            for n in topology.ancestors[topology.bottom_of_leaf[found]]:
-                active[n] += 1
-                inactive[n] -= 1
-            reserve_fills.append((leaf, found))
-    else:
-        open_holes = holes
+        for level in range(topology.reserve_levels):
+            unfilled = []
+            for hole_slot, leaf in open_holes:
+                found = search.replacement(leaf, level)
+                if found < 0:
+                    unfilled.append((hole_slot, leaf))
+                    continue
+                status[found] = _ACTIVE
+                active_leaves[hole_slot] = found
+                for n in topology.ancestors[topology.bottom_of_leaf[found]]:
+                    active[n] += 1
+                    inactive[n] -= 1
+                reserve_fills.append((leaf, found))
+            open_holes = unfilled
 
     # (3) backfill within each domain: its highest active ranks move down into
     # its lowest gaps; the places they leave become gaps.
@@ -486,10 +490,12 @@ def _propagate_terminations(
     for n in topology.bottom_up:  # children are final before their parent is summed
         if 0 < alive[n] < minimum[depth_of[n]]:
             alive[n] = 0
-            for leaf in range(lo[n], hi[n]):
-                if status[leaf] == _ACTIVE:
-                    lost[leaf] = slot(leaf)
-                status[leaf] = _TERMINATED
+            start, end = lo[n], hi[n]
+            leaf = status.find(_ACTIVE, start, end)
+            while leaf >= 0:
+                lost[leaf] = slot(leaf)
+                leaf = status.find(_ACTIVE, leaf + 1, end)
+            status[start:end] = bytes([_TERMINATED]) * (end - start)
         p = parent[n]
         if p >= 0:
             alive[p] += alive[n]
@@ -515,13 +521,16 @@ class _ReserveSearch:
         self.inactive = inactive
         self.cursor = [0] * len(topology.node_depth)
 
-    def usable(self, node: int) -> bool:
-        limit = self.t.max_ranks[self.t.node_depth[node]]
-        return self.inactive[node] > 0 and (limit is None or self.active[node] < limit)
-
     def first(self, node: int) -> int:
-        """The first usable inactive leaf under ``node`` in tree order, or -1."""
-        if not self.usable(node):
+        """The first usable inactive leaf under ``node`` in tree order, or -1.
+
+        Usable: ``node`` and every group on the way down to the leaf have an
+        inactive rank and fewer active ranks than their ``max_ranks``.
+        """
+        if self.inactive[node] == 0:
+            return -1
+        limit = self.t.max_ranks[self.t.node_depth[node]]
+        if limit is not None and self.active[node] >= limit:
             return -1
         children = self.t.node_children[node]
         if not children:
@@ -533,13 +542,22 @@ class _ReserveSearch:
             self.cursor[node] += 1
         return -1
 
-    def replacement(self, leaf: int) -> int:
+    def replacement(self, leaf: int, level: int) -> int:
+        """A reserve leaf for lost ``leaf`` in its group ``level`` layers up, or -1.
+
+        The groups above that one must be under their ``max_ranks`` too: the
+        lost rank's place may already have gone to another group's loss.
+        """
         chain = self.t.ancestors[self.t.bottom_of_leaf[leaf]]
-        for node in chain[: self.t.reserve_levels]:
-            found = self.first(node)
-            if found >= 0:
-                return found
-        return -1
+        node = chain[level]
+        if self.inactive[node] == 0:
+            return -1
+        limits, depth_of, active = self.t.max_ranks, self.t.node_depth, self.active
+        for above in chain[level + 1 :]:
+            limit = limits[depth_of[above]]
+            if limit is not None and active[above] >= limit:
+                return -1
+        return self.first(node)
 
 
 def _finish(
