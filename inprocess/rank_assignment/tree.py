@@ -120,6 +120,7 @@ class Layer:
         return key if isinstance(key, str) else str(key)
 
     def has(self, flag: LayerFlag) -> bool:
+        """Whether this layer's flag includes ``flag``."""
         return self.flag is not None and bool(self.flag & flag)
 
 
@@ -230,10 +231,6 @@ class Topology:
             backfill_levels += 1
         self.reserve_levels = reserve_levels
         self.backfill_levels = backfill_levels
-
-    def path_keys(self, leaf: int) -> tuple[str, ...]:
-        """The keys of a leaf, root first (for messages and tests)."""
-        return tuple(self.node_key[n] for n in reversed(self.ancestors[self.bottom_of_leaf[leaf]]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -395,9 +392,16 @@ def next_assignment(
     if topology.reserve_levels and holes:
         active, inactive = _counts(topology, status)
         search = _ReserveSearch(topology, status, active, inactive)
+        ancestors, bottom_of_leaf = topology.ancestors, topology.bottom_of_leaf
         for level in range(topology.reserve_levels):
             unfilled = []
-            for hole_slot, leaf in open_holes:
+            for i, (hole_slot, leaf) in enumerate(open_holes):
+                if inactive[0] == 0:  # no reserve rank left anywhere (node 0 is the root)
+                    unfilled.extend(open_holes[i:])
+                    break
+                if inactive[ancestors[bottom_of_leaf[leaf]][level]] == 0:  # fast path
+                    unfilled.append((hole_slot, leaf))
+                    continue
                 found = search.replacement(leaf, level)
                 if found < 0:
                     unfilled.append((hole_slot, leaf))
