@@ -295,6 +295,7 @@ class TreeAssignment:
         return tuple(ranks)
 
 
+_ACTIVE_RE = re.compile(re.escape(bytes([_ACTIVE])))
 _INACTIVE_RE = re.compile(re.escape(bytes([_INACTIVE])))
 
 
@@ -305,8 +306,7 @@ def initial_assignment(
     are activated in tree order while every group they belong to is under its
     ``max_ranks``; the active ranks are finally trimmed by ``world_size_filter``."""
     status = bytearray([_INACTIVE]) * topology.size
-    holes = _propagate_terminations(topology, status, {}, lambda leaf: -1)
-    assert not holes
+    _propagate_terminations(topology, status)
     active = [0] * len(topology.node_depth)
     limits = topology.max_ranks
     depth_of = topology.node_depth
@@ -373,15 +373,12 @@ def next_assignment(
             leaf = inactive_leaves[rank - old_active]
         status[leaf] = _TERMINATED
 
-    slot_of: dict[int, int] = {}
-
-    def slot(leaf: int) -> int:
-        """The active rank of an active leaf (the inverse map, built on first use)."""
-        if not slot_of:
-            slot_of.update((x, s) for s, x in enumerate(previous.active_leaves))
-        return slot_of[leaf]
-
-    holes = _propagate_terminations(topology, status, lost, slot)
+    dropped = _propagate_terminations(topology, status)
+    if dropped:
+        # The inverse map of the active leaves, built at C speed.
+        slot_of = dict(zip(previous.active_leaves, range(old_active), strict=True))
+        lost.update(zip(dropped, map(slot_of.__getitem__, dropped), strict=True))
+    holes = sorted(zip(lost.values(), lost.keys(), strict=True))  # (active rank, leaf)
     for hole_slot, _ in holes:
         active_leaves[hole_slot] = None
 
@@ -394,14 +391,14 @@ def next_assignment(
         search = _ReserveSearch(topology, status, active, inactive)
         ancestors, bottom_of_leaf = topology.ancestors, topology.bottom_of_leaf
         for level in range(topology.reserve_levels):
-            unfilled = []
-            for i, (hole_slot, leaf) in enumerate(open_holes):
-                if inactive[0] == 0:  # no reserve rank left anywhere (node 0 is the root)
-                    unfilled.extend(open_holes[i:])
-                    break
-                if inactive[ancestors[bottom_of_leaf[leaf]][level]] == 0:  # fast path
-                    unfilled.append((hole_slot, leaf))
-                    continue
+            if inactive[0] == 0:  # no reserve rank left anywhere (node 0 is the root)
+                break
+            # Holes whose group has no reserve rank now never will in this step
+            # (reserve counts only fall): set aside without a search.
+            groups = [ancestors[bottom_of_leaf[leaf]][level] for _, leaf in open_holes]
+            unfilled = [h for h, g in zip(open_holes, groups, strict=True) if not inactive[g]]
+            candidates = [h for h, g in zip(open_holes, groups, strict=True) if inactive[g]]
+            for hole_slot, leaf in candidates:
                 found = search.replacement(leaf, level)
                 if found < 0:
                     unfilled.append((hole_slot, leaf))
@@ -412,7 +409,7 @@ def next_assignment(
                     active[n] += 1
                     inactive[n] -= 1
                 reserve_fills.append((leaf, found))
-            open_holes = unfilled
+            open_holes = sorted(unfilled)
 
     # (3) backfill within each domain: its highest active ranks move down into
     # its lowest gaps; the places they leave become gaps.
@@ -423,14 +420,13 @@ def next_assignment(
         for hole_slot, leaf in open_holes:
             domain = topology.ancestors[topology.bottom_of_leaf[leaf]][-1 - top]
             by_domain.setdefault(domain, []).append((hole_slot, leaf))
-        slot_of.clear()  # reserve fills changed it; rebuilt from the current list
-        slot_of.update((x, s) for s, x in enumerate(active_leaves) if x is not None)
+        slot_of = dict(zip(active_leaves, range(len(active_leaves)), strict=True))
+        slot_of.pop(None, None)  # the gaps
         for domain, domain_holes in by_domain.items():
             lo, hi = topology.node_lo[domain], topology.node_hi[domain]
-            movers = heapq.nlargest(
-                len(domain_holes),
-                ((slot_of[m], m) for m in range(lo, hi) if status[m] == _ACTIVE),
-            )
+            domain_active = [m.start() for m in _ACTIVE_RE.finditer(status, lo, hi)]
+            slots = map(slot_of.__getitem__, domain_active)
+            movers = heapq.nlargest(len(domain_holes), zip(slots, domain_active, strict=True))
             # Holes ascending, movers descending: a mover only moves down.
             for (hole_slot, leaf), (mover_slot, mover) in zip(domain_holes, movers, strict=False):
                 if mover_slot <= hole_slot:
@@ -474,36 +470,27 @@ def _counts(topology: Topology, status: bytearray) -> tuple[list[int], list[int]
     return active, inactive
 
 
-def _propagate_terminations(
-    topology: Topology,
-    status: bytearray,
-    lost: dict[int, int],
-    slot: Callable[[int], int],
-) -> list[tuple[int, int]]:
+def _propagate_terminations(topology: Topology, status: bytearray) -> list[int]:
     """Gives up every group under its ``min_ranks``, children first.
 
-    ``lost`` maps each lost active leaf to its active rank; the active leaves
-    of the given-up groups join it (``slot`` gives their active rank). Returns
-    ``(active rank, leaf)`` of every lost active leaf, sorted.
+    Returns the active leaves of the given-up groups (now terminated).
     """
     lo, hi, parent = topology.node_lo, topology.node_hi, topology.node_parent
     minimum, depth_of = topology.min_ranks, topology.node_depth
     alive = [0] * len(depth_of)
+    dropped: list[int] = []
     for b in topology.bottoms:
         alive[b] = hi[b] - lo[b] - status.count(_TERMINATED, lo[b], hi[b])
     for n in topology.bottom_up:  # children are final before their parent is summed
         if 0 < alive[n] < minimum[depth_of[n]]:
             alive[n] = 0
             start, end = lo[n], hi[n]
-            leaf = status.find(_ACTIVE, start, end)
-            while leaf >= 0:
-                lost[leaf] = slot(leaf)
-                leaf = status.find(_ACTIVE, leaf + 1, end)
+            dropped.extend(m.start() for m in _ACTIVE_RE.finditer(status, start, end))
             status[start:end] = bytes([_TERMINATED]) * (end - start)
         p = parent[n]
         if p >= 0:
             alive[p] += alive[n]
-    return sorted((s, leaf) for leaf, s in lost.items())
+    return dropped
 
 
 class _ReserveSearch:
