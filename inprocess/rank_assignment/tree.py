@@ -670,14 +670,13 @@ class Tree(RankAssignment):
         iteration = self._iteration_assigned(ctx)
         retry = iteration == self._assigned_iteration
         base = self._base if retry else self._result
-        if self.topology is None or (retry and base is None):
+        if self.topology is None or base is None:  # first call, or a retry of it
             self._build(ctx, terminated)
             assert self.topology is not None
             result = initial_assignment(self.topology, self.world_size_filter)
             leaf = self.topology.leaf_of_origin[self._origin_of(state.rank)]
             base = None
         else:
-            assert base is not None
             if state.world_size != base.world_size:
                 raise InternalError(
                     f"Tree: the iteration that ended had {state.world_size} ranks, but Tree "
