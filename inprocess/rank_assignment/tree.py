@@ -265,7 +265,7 @@ class TreeAssignment:
 
     def inactive_leaves(self) -> list[int]:
         """The leaf of each inactive rank ``active_world_size + i``, in rank order."""
-        return [m.start() for m in _INACTIVE_RE.finditer(self.status)]
+        return _positions(self.status, _INACTIVE, 0, len(self.status))
 
     def rank_of(self, leaf: int) -> int | None:
         """The rank of ``leaf``, ``None`` when terminated."""
@@ -295,8 +295,14 @@ class TreeAssignment:
         return tuple(ranks)
 
 
-_ACTIVE_RE = re.compile(re.escape(bytes([_ACTIVE])))
-_INACTIVE_RE = re.compile(re.escape(bytes([_INACTIVE])))
+def _positions(status: bytes | bytearray, value: int, start: int, end: int) -> list[int]:
+    """The indexes of ``value`` in ``status[start:end]`` (ints only: nothing for the GC)."""
+    found: list[int] = []
+    i = status.find(value, start, end)
+    while i >= 0:
+        found.append(i)
+        i = status.find(value, i + 1, end)
+    return found
 
 
 def initial_assignment(
@@ -378,14 +384,18 @@ def next_assignment(
         # The inverse map of the active leaves, built at C speed.
         slot_of = dict(zip(previous.active_leaves, range(old_active), strict=True))
         lost.update(zip(dropped, map(slot_of.__getitem__, dropped), strict=True))
-    holes = sorted(zip(lost.values(), lost.keys(), strict=True))  # (active rank, leaf)
-    for hole_slot, _ in holes:
-        active_leaves[hole_slot] = None
+    # Holes are the lost active ranks; hole h was leaf was_at[h]. Kept as
+    # plain ints (no tuples) so that a call allocates few objects the garbage
+    # collector tracks.
+    holes = sorted(lost.values())
+    was_at = previous.active_leaves
+    for hole in holes:
+        active_leaves[hole] = None
 
     # (2) reserve: the lowest groups first for every hole, then one layer up,
     # and so on; within a layer, holes by increasing active rank.
     reserve_fills: list[tuple[int, int]] = []
-    open_holes: list[tuple[int, int]] = holes  # (active rank, lost leaf)
+    open_holes = holes
     if topology.reserve_levels and holes:
         active, inactive = _counts(topology, status)
         search = _ReserveSearch(topology, status, active, inactive)
@@ -395,20 +405,20 @@ def next_assignment(
                 break
             # Holes whose group has no reserve rank now never will in this step
             # (reserve counts only fall): set aside without a search.
-            groups = [ancestors[bottom_of_leaf[leaf]][level] for _, leaf in open_holes]
+            groups = [ancestors[bottom_of_leaf[was_at[h]]][level] for h in open_holes]
             unfilled = [h for h, g in zip(open_holes, groups, strict=True) if not inactive[g]]
             candidates = [h for h, g in zip(open_holes, groups, strict=True) if inactive[g]]
-            for hole_slot, leaf in candidates:
-                found = search.replacement(leaf, level)
+            for hole in candidates:
+                found = search.replacement(was_at[hole], level)
                 if found < 0:
-                    unfilled.append((hole_slot, leaf))
+                    unfilled.append(hole)
                     continue
                 status[found] = _ACTIVE
-                active_leaves[hole_slot] = found
-                for n in topology.ancestors[topology.bottom_of_leaf[found]]:
+                active_leaves[hole] = found
+                for n in ancestors[bottom_of_leaf[found]]:
                     active[n] += 1
                     inactive[n] -= 1
-                reserve_fills.append((leaf, found))
+                reserve_fills.append((was_at[hole], found))
             open_holes = sorted(unfilled)
 
     # (3) backfill within each domain: its highest active ranks move down into
@@ -416,24 +426,25 @@ def next_assignment(
     backfills: list[tuple[int, int]] = []
     if topology.backfill_levels and open_holes:
         top = topology.depth - topology.backfill_levels
-        by_domain: dict[int, list[tuple[int, int]]] = {}
-        for hole_slot, leaf in open_holes:
-            domain = topology.ancestors[topology.bottom_of_leaf[leaf]][-1 - top]
-            by_domain.setdefault(domain, []).append((hole_slot, leaf))
+        by_domain: dict[int, list[int]] = {}
+        for hole in open_holes:
+            domain = topology.ancestors[topology.bottom_of_leaf[was_at[hole]]][-1 - top]
+            by_domain.setdefault(domain, []).append(hole)
         slot_of = dict(zip(active_leaves, range(len(active_leaves)), strict=True))
         slot_of.pop(None, None)  # the gaps
         for domain, domain_holes in by_domain.items():
             lo, hi = topology.node_lo[domain], topology.node_hi[domain]
-            domain_active = [m.start() for m in _ACTIVE_RE.finditer(status, lo, hi)]
-            slots = map(slot_of.__getitem__, domain_active)
-            movers = heapq.nlargest(len(domain_holes), zip(slots, domain_active, strict=True))
+            movers = heapq.nlargest(
+                len(domain_holes), map(slot_of.__getitem__, _positions(status, _ACTIVE, lo, hi))
+            )
             # Holes ascending, movers descending: a mover only moves down.
-            for (hole_slot, leaf), (mover_slot, mover) in zip(domain_holes, movers, strict=False):
-                if mover_slot <= hole_slot:
+            for hole, mover_slot in zip(domain_holes, movers, strict=False):
+                if mover_slot <= hole:
                     break
-                active_leaves[hole_slot] = mover
+                mover = active_leaves[mover_slot]
+                active_leaves[hole] = mover
                 active_leaves[mover_slot] = None
-                backfills.append((leaf, mover))
+                backfills.append((was_at[hole], mover))
 
     # (4) shift: the gaps left close up.
     if None in active_leaves:
@@ -485,7 +496,7 @@ def _propagate_terminations(topology: Topology, status: bytearray) -> list[int]:
         if 0 < alive[n] < minimum[depth_of[n]]:
             alive[n] = 0
             start, end = lo[n], hi[n]
-            dropped.extend(m.start() for m in _ACTIVE_RE.finditer(status, start, end))
+            dropped.extend(_positions(status, _ACTIVE, start, end))
             status[start:end] = bytes([_TERMINATED]) * (end - start)
         p = parent[n]
         if p >= 0:
