@@ -8,7 +8,7 @@ configurations:
   replaced from the host, then the rack, then the job (RESERVE on every layer),
   then backfilled within the rack;
 * ``whole-hosts``: the same, but a host with a lost rank is given up whole
-  (``min_ranks=8``), so 1024 lost ranks take most of ~1000 hosts with them.
+  (``min_ranks=8``), so 1024 lost ranks take ~840 hosts with them.
 
 Measured: one rank's ``Tree.__call__`` after an iteration in which
 ``--terminated`` random ranks were lost (the tree already built, as on every
