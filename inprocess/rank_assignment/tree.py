@@ -261,6 +261,7 @@ class TreeAssignment:
 
     @property
     def active_world_size(self) -> int:
+        """The number of active ranks."""
         return len(self.active_leaves)
 
     def inactive_leaves(self) -> list[int]:
@@ -316,7 +317,7 @@ def initial_assignment(
     active = [0] * len(topology.node_depth)
     limits = topology.max_ranks
     depth_of = topology.node_depth
-    active_leaves: list[int | None] = []
+    active_leaves: list[int] = []
     for leaf in range(topology.size):
         if status[leaf] == _TERMINATED:
             continue
