@@ -42,6 +42,7 @@ from .filter import (
 from .filter import MaxActiveWorldSizeOrNone as MaxActiveWorldSize
 from .grouped import FilterCountGroupedByKey, FilterGroupedByKey
 from .renumber import FillGaps, ShiftRanks
+from .tree import Layer, LayerFlag, Tree
 
 __all__ = [
     "ActivateAllRanks",
@@ -57,3 +58,4 @@ __all__ = [
     "ShiftRanks",
     "WorldSizeDivisibleBy",
 ]
+__all__ += ["Layer", "LayerFlag", "Tree"]

@@ -1,0 +1,457 @@
+"""Topology-aware rank assignment (Tree): the pure algorithm's properties, worked
+examples, argument errors, and the callback across ranks (threads, one store)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import pytest
+import torch.distributed as dist
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from inprocess.exception import InternalError
+from inprocess.rank_assignment import (
+    Layer,
+    LayerFlag,
+    RankAssignmentCtx,
+    RankDiscarded,
+    Tree,
+)
+from inprocess.rank_assignment.tree import (
+    Topology,
+    TreeAssignment,
+    initial_assignment,
+    next_assignment,
+)
+from inprocess.state import Mode, State
+from inprocess.store import PrefixStore, StoreMixin
+
+pytestmark = pytest.mark.timeout(120)
+
+R, B = LayerFlag.RESERVE, LayerFlag.BACKFILL
+
+
+class HashStore(dist.HashStore, StoreMixin):
+    """An in-memory store shared by the threads of one process."""
+
+
+# ---------------------------------------------------------------------- oracles
+
+
+def leaves_of(t: Topology, node: int) -> range:
+    return range(t.node_lo[node], t.node_hi[node])
+
+
+def limit(t: Topology, node: int) -> int | None:
+    return t.max_ranks[t.node_depth[node]]
+
+
+def check_invariants(t: Topology, a: TreeAssignment) -> None:
+    """Gap-free unique numbering, active first, min_ranks and max_ranks hold."""
+    ranks = [r for r in a.ranks if r is not None]
+    assert sorted(ranks) == list(range(a.world_size))
+    assert 0 <= a.active_world_size <= a.world_size
+    for node in range(len(t.node_depth)):
+        alive = [a.ranks[x] for x in leaves_of(t, node) if a.ranks[x] is not None]
+        assert not alive or len(alive) >= t.min_ranks[t.node_depth[node]], node
+        active = sum(1 for r in alive if r < a.active_world_size)
+        assert limit(t, node) is None or active <= limit(t, node), node
+
+
+def eligible_reserve(t: Topology, a: TreeAssignment, lost_leaf: int) -> int | None:
+    """Brute force: an inactive leaf a reserve search from ``lost_leaf`` may take now."""
+    chain = t.ancestors[t.bottom_of_leaf[lost_leaf]][: t.reserve_levels]
+    for top in chain:
+        for leaf in leaves_of(t, top):
+            rank = a.ranks[leaf]
+            if rank is None or rank < a.active_world_size:
+                continue
+            path = t.ancestors[t.bottom_of_leaf[leaf]]  # up to the root: none may overflow
+            if all(
+                limit(t, n) is None
+                or sum(
+                    1
+                    for x in leaves_of(t, n)
+                    if a.ranks[x] is not None and a.ranks[x] < a.active_world_size
+                )
+                < limit(t, n)
+                for n in path
+            ):
+                return leaf
+    return None
+
+
+def check_step(
+    t: Topology,
+    prev: TreeAssignment,
+    terminated: set[int],
+    new: TreeAssignment,
+    filtered: bool,
+    oracle: bool = True,
+) -> None:
+    check_invariants(t, new)
+    leaf_of = {r: leaf for leaf, r in enumerate(prev.ranks) if r is not None}
+    lost = {leaf_of[r] for r in terminated}
+    for leaf in range(t.size):
+        if prev.ranks[leaf] is None or leaf in lost:
+            assert new.ranks[leaf] is None, "a terminated rank came back"
+    assert new.active_world_size <= prev.active_world_size
+    # Active leaves lost (directly or with their group).
+    holes = {
+        leaf: prev.ranks[leaf]
+        for leaf in range(t.size)
+        if prev.ranks[leaf] is not None
+        and prev.ranks[leaf] < prev.active_world_size
+        and new.ranks[leaf] is None
+    }
+    filled = dict(new.reserve_fills)
+    assert set(filled) <= set(holes)
+    for hole, reserve in filled.items():
+        assert prev.ranks[reserve] >= prev.active_world_size, "reserve was not inactive"
+        reach = t.ancestors[t.bottom_of_leaf[hole]][: t.reserve_levels]
+        assert any(reserve in leaves_of(t, n) for n in reach)
+        if not filtered:
+            assert new.ranks[reserve] < new.active_world_size
+    for hole, mover in new.backfills:
+        assert hole in holes and hole not in filled
+        # The mover was active, or took another lost rank's place from the reserve.
+        was = prev.ranks[mover] if mover not in filled.values() else holes[
+            next(h for h, r in filled.items() if r == mover)
+        ]
+        assert mover in filled.values() or was < prev.active_world_size
+        assert was > holes[hole], "a backfill moved a rank up"
+        top = t.depth - t.backfill_levels
+        domain = t.ancestors[t.bottom_of_leaf[hole]][-1 - top]
+        assert mover in leaves_of(t, domain)
+    if not filtered:
+        assert new.active_world_size == prev.active_world_size - len(holes) + len(filled)
+    if oracle and not filtered:  # the filter makes new reserve ranks
+        # Reserve before backfill and shift: no hole left unfilled had a reserve.
+        for hole in holes:
+            if hole not in filled:
+                assert eligible_reserve(t, new, hole) is None, hole
+    if t.reserve_levels == 0 and t.backfill_levels == 0 and not filtered:
+        # Plain shift: the surviving active ranks keep their order.
+        kept = sorted(
+            (prev.ranks[x], new.ranks[x])
+            for x in range(t.size)
+            if new.ranks[x] is not None and new.ranks[x] < new.active_world_size
+        )
+        assert [n for _, n in kept] == list(range(len(kept)))
+
+
+# ---------------------------------------------------------------------- strategies
+
+FLAGS = st.sampled_from([None, R, B, R | B])
+
+
+@st.composite
+def trees(draw: st.DrawFn, max_ranks: int = 96) -> tuple[list[Layer], list[tuple[str, ...]]]:
+    """Layers (1 to 3) and every rank's keys: groups of random sizes, launch order shuffled."""
+    n = draw(st.integers(1, max_ranks))
+    depth = draw(st.integers(1, 3))
+    sizes = sorted((draw(st.integers(1, 12)) for _ in range(depth - 1)), reverse=True)
+    order = draw(st.permutations(range(n)))
+    layers = [
+        Layer(
+            min_ranks=draw(st.integers(1, 3)),
+            max_ranks=draw(st.one_of(st.none(), st.integers(1, n))),
+            key_or_fn="job",
+            flag=draw(FLAGS),
+        )
+    ]
+    for size in sizes:
+        layers.append(
+            Layer(
+                min_ranks=draw(st.integers(1, max(1, size // 2 + 1))),
+                max_ranks=draw(st.one_of(st.none(), st.integers(1, size))),
+                flag=draw(FLAGS),
+            )
+        )
+    paths = [("job", *(str(order[r] // s) for s in sizes)) for r in range(n)]
+    return layers, paths
+
+
+def divisible_by(d: int, calls: list[int]) -> Callable[[int], int]:
+    def world_size_filter(n: int) -> int:
+        calls.append(n)
+        return n // d * d
+
+    return world_size_filter
+
+
+# ---------------------------------------------------------------------- properties
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(trees(), st.data())
+def test_properties_small_trees(tree, data) -> None:
+    layers, paths = tree
+    t = Topology(layers, paths)
+    use_filter = data.draw(st.booleans())
+    calls: list[int] = []
+    divisor = data.draw(st.integers(1, 4))
+    ws_filter = divisible_by(divisor, calls) if use_filter else None
+    a = initial_assignment(t, ws_filter)
+    check_invariants(t, a)
+    if use_filter:
+        assert a.active_world_size == calls[-1] // divisor * divisor
+    for _ in range(data.draw(st.integers(1, 4))):
+        if a.world_size == 0:
+            break
+        terminated = data.draw(st.sets(st.integers(0, a.world_size - 1), max_size=a.world_size))
+        new = next_assignment(t, a, terminated, ws_filter)
+        # Same inputs, given differently (another rank's view): the same decision.
+        again = next_assignment(t, a, sorted(terminated, reverse=True), ws_filter)
+        assert again == new
+        check_step(t, a, terminated, new, filtered=use_filter)
+        if use_filter:
+            assert new.active_world_size == calls[-1] // divisor * divisor
+        a = new
+
+
+def big_tree(rank_flag, host_flag, rack_max: int | None) -> tuple[list[Layer], list[tuple]]:
+    """16384 ranks: 16 racks of 128 hosts of 8 ranks."""
+    layers = [
+        Layer(min_ranks=1, key_or_fn="job", flag=R),
+        Layer(min_ranks=64, max_ranks=rack_max, flag=rank_flag),
+        Layer(min_ranks=8, max_ranks=8, flag=host_flag),
+    ]
+    paths = [("job", str(r // 1024), str(r // 8)) for r in range(16384)]
+    return layers, paths
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.sampled_from([(R, R, 960), (R | B, None, 960), (B, B, None), (None, None, None)]),
+    st.data(),
+)
+def test_properties_16384_ranks(config, data) -> None:
+    t = Topology(*big_tree(*config))
+    a = initial_assignment(t)
+    check_invariants(t, a)
+    count = data.draw(st.integers(1, 1024))
+    seeds = data.draw(st.randoms(use_true_random=False))
+    terminated = set(seeds.sample(range(a.world_size), count))
+    new = next_assignment(t, a, terminated)
+    assert next_assignment(t, a, list(terminated)) == new
+    # The brute-force reserve oracle is quadratic: checked on the small trees.
+    check_step(t, a, terminated, new, filtered=False, oracle=False)
+
+
+# ---------------------------------------------------------------------- worked examples
+
+
+def assign(layers: list[Layer], paths: list[tuple], *steps: set[int], ws_filter=None):
+    t = Topology(layers, paths)
+    a = initial_assignment(t, ws_filter)
+    results = [a]
+    for terminated in steps:
+        a = next_assignment(t, a, terminated, ws_filter)
+        results.append(a)
+    return results
+
+
+def hosts(n: int, size: int) -> list[tuple[str, str]]:
+    return [("job", f"h{r // size}") for r in range(n)]
+
+
+def test_reserve_rank_of_the_same_host_takes_the_lost_place() -> None:
+    # Two hosts of 4, 3 active each: [0 1 2 r] [3 4 5 r]; rank 1 is lost.
+    layers = [Layer(key_or_fn="job"), Layer(max_ranks=3, flag=R)]
+    first, second = assign(layers, hosts(8, 4), {1})
+    assert first.ranks == (0, 1, 2, 6, 3, 4, 5, 7)
+    assert (first.world_size, first.active_world_size) == (8, 6)
+    assert second.ranks == (0, None, 2, 1, 3, 4, 5, 6)
+    assert (second.world_size, second.active_world_size) == (7, 6)
+    assert second.reserve_fills == ((1, 3),)
+
+
+def test_without_reserve_the_gap_is_shifted() -> None:
+    layers = [Layer(key_or_fn="job"), Layer(max_ranks=3)]
+    _, second = assign(layers, hosts(8, 4), {1})
+    assert second.ranks == (0, None, 1, 5, 2, 3, 4, 6)
+    assert (second.world_size, second.active_world_size) == (7, 5)
+
+
+def test_backfill_moves_the_hosts_highest_rank_into_the_gap() -> None:
+    layers = [Layer(key_or_fn="job"), Layer(flag=B)]
+    _, second = assign(layers, hosts(8, 4), {1})
+    # Host 0's rank 3 fills gap 1; the gap it leaves (3) is shifted over.
+    assert second.ranks == (0, None, 2, 1, 3, 4, 5, 6)
+    assert second.backfills == ((1, 3),)
+
+
+def test_losses_climb_the_tree() -> None:
+    # Racks of 2 hosts of 2 ranks; a host needs 2 healthy ranks, a rack 4.
+    layers = [Layer(key_or_fn="job"), Layer(min_ranks=4), Layer(min_ranks=2)]
+    paths = [("job", f"rack{r // 4}", f"h{r // 2}") for r in range(8)]
+    _, second = assign(layers, paths, {0})
+    # Rank 0 takes host 0 with it, host 0 takes rack 0 with it.
+    assert second.ranks == (None, None, None, None, 0, 1, 2, 3)
+    assert (second.world_size, second.active_world_size) == (4, 4)
+
+
+def test_reserve_search_respects_max_ranks_of_other_hosts() -> None:
+    # Hosts of 3 with 2 active: [0 1 r] [2 3 r]. Host 0 loses rank 0 and its
+    # reserve; host 1's reserve would make 3 active on host 1: not taken.
+    layers = [Layer(key_or_fn="job", flag=R), Layer(max_ranks=2, flag=R)]
+    first, second = assign(layers, hosts(6, 3), {0, 4})
+    assert first.ranks == (0, 1, 4, 2, 3, 5)
+    assert second.ranks == (None, 0, None, 1, 2, 3)
+    assert second.reserve_fills == ()
+    assert (second.world_size, second.active_world_size) == (4, 3)
+
+
+def test_reserve_from_another_host_through_a_reserve_root() -> None:
+    # Root allows 6 active of 8: [0 1 2 3] [4 5 r r]; rank 2 is lost.
+    layers = [Layer(max_ranks=6, key_or_fn="job", flag=R), Layer(flag=R)]
+    first, second = assign(layers, hosts(8, 4), {2})
+    assert first.ranks == (0, 1, 2, 3, 4, 5, 6, 7)
+    assert second.ranks == (0, 1, None, 3, 4, 5, 2, 6)
+
+
+def test_world_size_filter_trims_the_active_ranks() -> None:
+    calls: list[int] = []
+    layers = [Layer(key_or_fn="job")]
+    first, second = assign(layers, [("job",)] * 8, {1}, ws_filter=divisible_by(4, calls))
+    assert calls == [8, 7]
+    assert first.active_world_size == 8
+    assert second.ranks == (0, None, 1, 2, 3, 4, 5, 6)
+    assert (second.world_size, second.active_world_size) == (7, 4)
+
+
+def test_group_under_min_ranks_at_start_is_dropped() -> None:
+    layers = [Layer(key_or_fn="job"), Layer(min_ranks=3)]
+    (first,) = assign(layers, [("job", "a")] * 2 + [("job", "b")] * 3)
+    assert first.ranks == (None, None, 0, 1, 2)
+
+
+def test_topology_order_differs_from_launch_order() -> None:
+    # Ranks 0, 2 on host a, ranks 1, 3 on host b: the tree groups them.
+    t = Topology([Layer(key_or_fn="job"), Layer()], [("job", "a"), ("job", "b")] * 2)
+    a = initial_assignment(t)
+    assert t.origin == [0, 2, 1, 3]
+    assert a.ranks == (0, 1, 2, 3)  # by leaf: launch ranks 0, 2, 1, 3
+
+
+# ---------------------------------------------------------------------- errors
+
+
+BAD_LAYERS = [
+    ({"min_ranks": 0}, ValueError, "min_ranks must be >= 1"),
+    ({"min_ranks": 1.5}, TypeError, "min_ranks must be an int"),
+    ({"max_ranks": 0}, ValueError, "max_ranks must be None or >= 1"),
+    ({"max_ranks": True}, TypeError, "max_ranks must be None or an int"),
+    ({"key_or_fn": 3}, TypeError, "key_or_fn must be a str"),
+    ({"flag": "RESERVE"}, TypeError, "flag must be None or LayerFlag"),
+]
+
+
+def test_bad_arguments() -> None:
+    for kwargs, error, text in BAD_LAYERS:
+        with pytest.raises(error, match=text):
+            Layer(**kwargs)
+    with pytest.raises(ValueError, match="at least one Layer"):
+        Tree([])
+    with pytest.raises(TypeError, match=r"layers\[1\]"):
+        Tree([Layer(), "host"])
+    with pytest.raises(TypeError, match="list of Layer"):
+        Tree(Layer())
+    with pytest.raises(TypeError, match="world_size_filter"):
+        Tree([Layer()], world_size_filter=8)
+    with pytest.raises(ValueError, match="root"):
+        Topology([Layer(), Layer()], [("a", "x"), ("b", "x")])
+    t = Topology([Layer()], [("",)] * 4)
+    with pytest.raises(ValueError, match=r"world_size_filter\(4\) must return an int in \[0, 4\]"):
+        initial_assignment(t, lambda n: n + 1)
+    with pytest.raises(ValueError, match="terminated_ranks must be in"):
+        next_assignment(t, initial_assignment(t), {4})
+    with pytest.raises(TypeError, match="RankAssignmentCtx"):
+        Tree([Layer()])(State(rank=0, world_size=1))
+
+
+# ---------------------------------------------------------------------- the callback
+
+
+def run_ranks(trees: dict[int, Tree], ctxs: dict[int, RankAssignmentCtx]) -> dict[int, object]:
+    """Every rank's call in its own thread (the first call meets at a store barrier)."""
+    results: dict[int, object] = {}
+
+    def one(rank: int) -> None:
+        try:
+            results[rank] = trees[rank](ctxs[rank]).state
+        except Exception as ex:
+            results[rank] = ex.with_traceback(None)  # its frames hold the store
+
+    threads = [threading.Thread(target=one, args=(r,)) for r in ctxs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    return results
+
+
+def make_layers() -> list[Layer]:
+    # Hosts of 4 ranks (host = initial rank // 4), 3 active per host.
+    return [
+        Layer(key_or_fn="job", flag=R),
+        Layer(min_ranks=2, max_ranks=3, key_or_fn=lambda s: f"h{s.initial_rank // 4}", flag=R),
+    ]
+
+
+def test_every_rank_reaches_the_same_assignment_and_retries_from_the_same_base() -> None:
+    n = 12
+    trees = {r: Tree(make_layers()) for r in range(n)}
+    raw = HashStore()
+
+    def ctxs(states: dict[int, State], iteration: int, attempt: int, terminated: set[int]):
+        store = PrefixStore(f"iter/{iteration}/barrier/{attempt}/assignment", raw)
+        return {
+            s.rank: RankAssignmentCtx(s.copy(), store, set(terminated))
+            for s in states.values()
+        }
+
+    launch = {r: State(rank=r, world_size=n) for r in range(n)}
+    first = run_ranks(trees, ctxs(launch, 0, 0, set()))
+    expected = initial_assignment(
+        Topology(make_layers(), [("job", f"h{r // 4}") for r in range(n)])
+    )
+    for r, state in first.items():
+        assert isinstance(state, State), state
+        assert state.rank == expected.ranks[r]
+        assert (state.world_size, state.active_world_size) == (12, 9)
+        assert state.mode == (Mode.ACTIVE if state.rank < 9 else Mode.INACTIVE)
+    # The iteration ran with the new numbering; its state has iteration 0.
+    by_initial = {s.initial_rank: s for s in first.values()}
+    for s in by_initial.values():
+        s.iteration = 0
+    running = {s.rank: s for s in by_initial.values()}
+    lost = by_initial[1].rank  # initial rank 1, active: host 0's reserve replaces it
+    second = run_ranks(trees, ctxs(running, 1, 0, {lost}))
+    assert isinstance(second[lost], RankDiscarded)
+    survivors = [s for r, s in second.items() if r != lost]
+    assert sorted(s.rank for s in survivors) == list(range(11))
+    assert {(s.world_size, s.active_world_size) for s in survivors} == {(11, 9)}
+    reserve = next(s for s in survivors if s.initial_rank == 3)
+    assert reserve.rank == 1 and reserve.mode == Mode.ACTIVE
+    # A rank died before the barrier: the same iteration again, one more lost;
+    # everybody starts again from the same numbering (not from the first try's).
+    died = by_initial[5].rank
+    third = run_ranks(trees, ctxs(running, 1, 1, {lost, died}))
+    again = [s for r, s in third.items() if r not in (lost, died)]
+    assert sorted(s.rank for s in again) == list(range(10))
+    assert {(s.world_size, s.active_world_size) for s in again} == {(10, 9)}
+    assert next(s for s in again if s.initial_rank == 7).mode == Mode.ACTIVE
+
+
+def test_wrong_numbering_is_an_internal_error() -> None:
+    tree = Tree([Layer()])
+    state = State(rank=0, world_size=1)
+    store = PrefixStore("iter/0/barrier/0/assignment", HashStore())
+    tree(RankAssignmentCtx(state, store, set()))
+    later = PrefixStore("iter/1/barrier/0/assignment", HashStore())
+    with pytest.raises(InternalError, match="only rank assignment"):
+        tree(RankAssignmentCtx(State(rank=0, world_size=2), later, set()))
