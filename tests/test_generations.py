@@ -299,7 +299,7 @@ def run_style(style: str, tmp_path) -> tuple[list[int], dict[int, dict]]:
 @pytest.mark.timeout(360)
 def test_one_training_job_in_each_generation_ends_the_same(tmp_path):
     outcomes = {}
-    for style in ("guide", "newer"):
+    for style in ("guide", "newer", "tree"):
         codes, reports = run_style(style, tmp_path)
         assert codes[2] == -9 and [codes[r] for r in (0, 1, 3)] == [0, 0, 0], (style, codes)
         results = [reports[r]["result"] for r in (0, 1, 3)]
@@ -308,10 +308,11 @@ def test_one_training_job_in_each_generation_ends_the_same(tmp_path):
         outcomes[style] = {
             r: (rep["result"], rep["finalize"], rep["health_check"]) for r, rep in reports.items()
         }
-        assert {rep["generation"] for rep in reports.values()} == {style.upper()}
-        if style == "newer":
+        generation = "GUIDE" if style == "guide" else "NEWER"
+        assert {rep["generation"] for rep in reports.values()} == {generation}
+        if style != "guide":
             assert all(rep["completion"] == [[2, "active"]] for rep in reports.values())
-    assert outcomes["guide"] == outcomes["newer"]
+    assert outcomes["guide"] == outcomes["newer"] == outcomes["tree"]
 
 
 def test_callbacks_are_called_in_their_generations_shape():

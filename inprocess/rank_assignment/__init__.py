@@ -29,7 +29,8 @@ assignments and filters serve both shapes; :class:`FilterGroupedByKey` is the
 usage guide's, :class:`FilterCountGroupedByKey` the newer generation's.
 
 Modules: :mod:`.base` (the base class), :mod:`.renumber` (final assignments),
-:mod:`.grouped` (group filter), :mod:`.filter` (rank filters).
+:mod:`.grouped` (group filters), :mod:`.filter` (rank filters), :mod:`.tree`
+(topology-aware :class:`Tree`).
 """
 
 from .base import RankAssignment, RankAssignmentCtx, RankDiscarded
@@ -50,12 +51,14 @@ __all__ = [
     "FillGaps",
     "FilterCountGroupedByKey",
     "FilterGroupedByKey",
+    "Layer",
+    "LayerFlag",
     "MaxActiveWorldSize",
     "RankAssignment",
     "RankAssignmentCtx",
     "RankDiscarded",
     "RankFilter",
     "ShiftRanks",
+    "Tree",
     "WorldSizeDivisibleBy",
 ]
-__all__ += ["Layer", "LayerFlag", "Tree"]

@@ -8,6 +8,8 @@ rank 2 is SIGKILLed at step 5 of iteration 1 (the spare takes its place).
 Only the callbacks' shapes differ between the styles:
 
 * ``guide``: ``finalize(state, ex)``, ``health_check(state, ex)``, ``rank_filter=``;
+* ``tree``: as ``newer``, with a topology-aware ``Tree`` assignment (two
+  "hosts" of two ranks, three active ranks in all) instead of the filter;
 * ``newer``: ``finalize(frozen)``, ``health_check(frozen)`` (the exception in
   ``fn_exception``), the filter as a step of ``rank_assignment`` (a
   ``RankAssignmentCtx``), ``completion`` / ``terminate``, and the checkpoint
@@ -37,7 +39,7 @@ INITIAL_RANK = int(os.environ["RANK"])
 fast = datetime.timedelta(milliseconds=50)
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--style", choices=["guide", "newer"], required=True)
+parser.add_argument("--style", choices=["guide", "newer", "tree"], required=True)
 parser.add_argument("--out", type=Path, required=True)
 args = parser.parse_args()
 CHECKPOINT = args.out / "checkpoint.pt"
@@ -146,10 +148,24 @@ if args.style == "guide":
     )
 else:
     ra = inprocess.rank_assignment
+    if args.style == "tree":
+        # The job at most 3 active, each host's reserve first: the spare (initial
+        # rank 3) replaces a lost rank of its own host.
+        assignment = ra.Tree(
+            [
+                ra.Layer(max_ranks=3, key_or_fn="job", flag=ra.LayerFlag.RESERVE),
+                ra.Layer(
+                    key_or_fn=lambda state: f"host{state.initial_rank // 2}",
+                    flag=ra.LayerFlag.RESERVE,
+                ),
+            ]
+        )
+    else:
+        assignment = inprocess.Compose(ra.MaxActiveWorldSize(3), ra.ShiftRanks())
     wrapper = inprocess.Wrapper(
         finalize=NewerFinalize(),
         health_check=NewerHealthCheck(),
-        rank_assignment=inprocess.Compose(ra.MaxActiveWorldSize(3), ra.ShiftRanks()),
+        rank_assignment=assignment,
         completion=Completed(),
         terminate=Terminated(),
         **common,
