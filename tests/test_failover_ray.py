@@ -23,7 +23,7 @@ from inprocess.failover.supervisor import job_processes
 
 ray_cluster_utils = pytest.importorskip("ray.cluster_utils")
 
-from test_failover_e2e import ENV, TRAIN, Launch, check_after_run  # noqa: E402
+from test_failover_e2e import ENV, RUN, TRAIN, Launch, check_after_run  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.xdist_group("ray")]
 
@@ -135,7 +135,7 @@ def test_worker_kill_controller_kill_and_node_loss(tmp_path, cluster):
     the controller actor killed (restarted by Ray, recovers), and a job node removed
     from the cluster (its workers relaunched on the spare node, not counted as failures).
     Ends 0 at full world size with the exact step count."""
-    steps = 1000
+    steps = 1800
     with RayLaunch(
         tmp_path,
         cluster,
@@ -194,6 +194,8 @@ def test_worker_that_always_crashes_stops_the_job(tmp_path, cluster):
         cluster,
         "--max-restarts",
         "2",
+        "--nnodes",  # one node is enough here
+        "1",
         script_args=["--steps", "100000", "--crash-rank", "1", "--crash-times", "1000"],
     ) as launch:
         code = launch.finish(timeout=200)
@@ -204,3 +206,31 @@ def test_worker_that_always_crashes_stops_the_job(tmp_path, cluster):
         assert state["worker_restarts"]["1"] == 3
         check_after_run(launch)
         assert not job_processes(launch.job_id)
+
+
+@pytest.mark.timeout(180)
+def test_ctrl_c_stops_the_job_and_leaves_nothing(tmp_path, cluster):
+    with RayLaunch(
+        tmp_path, cluster, script_args=["--steps", "100000", "--step-time", "0.02"]
+    ) as launch:
+        wait_for(lambda: launch.running_at_step(5), launch, 120, "training")
+        launch.proc.send_signal(signal.SIGINT)
+        assert launch.finish(timeout=120) == 130, launch.output()
+        state = launch.state()
+        assert state["exit_code"] == 130 and "SIGINT" in state["reason"]
+        check_after_run(launch)  # STOPPED, no process of the job
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--ray-address", "127.0.0.1:1"], "need --backend ray"),
+        (["--backend", "ray", "--ray-bundle", "[1]"], "--ray-bundle must be a JSON object"),
+        (["--backend", "ray", "--ray-bundle", '{"CPU": 0}'], "--ray-bundle must be"),
+    ],
+)
+def test_bad_ray_flags_are_clear_errors(tmp_path, flags, message):
+    out = subprocess.run(
+        [*RUN, *flags, str(TRAIN)], env=ENV, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 2 and message in out.stderr, out.stderr
