@@ -196,7 +196,16 @@ def test_worker_that_always_crashes_stops_the_job(tmp_path, cluster):
         "2",
         "--nnodes",  # one node is enough here
         "1",
-        script_args=["--steps", "100000", "--crash-rank", "1", "--crash-times", "1000"],
+        script_args=[
+            "--steps",
+            "100000",
+            "--crash-rank",
+            "1",
+            "--crash-times",
+            "1000",
+            "--crash-step",
+            "1",
+        ],
     ) as launch:
         code = launch.finish(timeout=200)
         assert code != 0, launch.output()
@@ -213,7 +222,7 @@ def test_ctrl_c_stops_the_job_and_leaves_nothing(tmp_path, cluster):
     with RayLaunch(
         tmp_path, cluster, script_args=["--steps", "100000", "--step-time", "0.02"]
     ) as launch:
-        wait_for(lambda: launch.running_at_step(5), launch, 120, "training")
+        wait_for(lambda: launch.running_at_step(1), launch, 120, "training")
         launch.proc.send_signal(signal.SIGINT)
         assert launch.finish(timeout=120) == 130, launch.output()
         state = launch.state()

@@ -48,6 +48,9 @@ CALL_TIMEOUT = 30.0
 AGENT_START_TIMEOUT = 60.0
 #: how often the GCS is asked which nodes are dead
 NODE_CHECK_INTERVAL = 1.0
+#: "pids" of workers that could not be started for want of a machine (above any
+#: real pid: Linux's pid_max is at most 2**22)
+PLACEHOLDER_PID = 1 << 30
 
 
 def host_name(job_id: str) -> str:
@@ -276,6 +279,7 @@ class RayBackend:
         self._lost: list[ProcessExit] = []
         self._last_node_check = 0.0
         self._base_env = dict(os.environ)
+        self._placeholders = 0
 
     # -- agents
 
@@ -348,7 +352,19 @@ class RayBackend:
         bare = WorkerLaunch(
             launch.worker, launch.incarnation, launch.node, launch.slot, launch.argv, {}
         )
-        pid, start_time = self._call(launch.slot, "start", bare, env)
+        try:
+            handle = self._agent(launch.slot)
+        except (RuntimeError, ray.exceptions.RayError, TimeoutError) as ex:
+            # No machine for this slot (its node was lost and Ray has none to
+            # replace it): a placeholder process, lost at once, so that the
+            # policy decides (another relaunch within its limits, or the end).
+            self._placeholders += 1
+            pid = PLACEHOLDER_PID + self._placeholders
+            self._watched[pid] = launch.slot
+            self._lost.append(ProcessExit(pid, None, None, lost=f"node slot {launch.slot}: {ex}"))
+            del self._watched[pid]
+            return pid, 0.0
+        pid, start_time = ray.get(handle.start.remote(bare, env), timeout=CALL_TIMEOUT)
         self._watched[pid] = launch.slot
         return pid, start_time
 
