@@ -106,6 +106,17 @@ def no_leaks():
     assert not leaked, f"leaked file descriptors: {leaked}"
 
 
+def _node_of(cluster, where: dict):
+    """The ``cluster_utils`` node an agent ran on (by node id; Ray < 2.2x: by raylet pid)."""
+    for n in cluster.worker_nodes:
+        if getattr(n, "node_id", None) == where["node_id"]:
+            return n
+    for n in cluster.worker_nodes:
+        if n.all_processes["raylet"][0].process.pid == where["raylet_pid"]:
+            return n
+    raise LookupError(f"no node of the cluster runs {where}")
+
+
 class RayLaunch(Launch):
     """A job of 2 nodes x 2 workers on the module's Ray cluster."""
 
@@ -166,8 +177,7 @@ def test_worker_kill_controller_kill_and_node_loss(tmp_path, cluster):
         step = json.loads((launch.out / "checkpoint.json").read_text())["step"]
         wait_for(lambda: launch.running_at_step(step + 20), launch, 60, "progress")
         # 3. the Ray node of job node 1 (workers 2, 3) goes away
-        node_id = launch.nodes()[str(launch.state()["node_slots"]["1"])]["node_id"]
-        victim = next(n for n in cluster.worker_nodes if n.node_id == node_id)
+        victim = _node_of(cluster, launch.nodes()[str(launch.state()["node_slots"]["1"])])
         lost_at = time.time()
         cluster.remove_node(victim)
         wait_for(lambda: launch.full_size_since(lost_at), launch, 120, "full size after loss")

@@ -290,7 +290,7 @@ class RayDriver:
                         f"(max_restarts={self.max_controller_restarts}): giving up the job"
                     )
 
-    def _wait_restarted(self, timeout: float = 120.0) -> bool:
+    def _wait_restarted(self, timeout: float = 60.0) -> bool:
         """Waits until Ray has restarted the controller actor; False if it will not."""
         import ray
 
@@ -305,7 +305,11 @@ class RayDriver:
             except ray.exceptions.GetTimeoutError:
                 pass
             except ray.exceptions.RayActorError:
-                return False  # dead for good (max_restarts used up)
+                if unavailable:
+                    return False  # dead for good (max_restarts used up)
+                # Ray before ActorUnavailableError (< 2.2x) raises this while the
+                # actor restarts too: only the timeout tells
+                time.sleep(0.2)
         return False
 
     def _give_up(self, reason: str) -> int:

@@ -89,6 +89,7 @@ class NodeAgent:
             "node_id": ray.get_runtime_context().get_node_id(),
             "ip": ray.util.get_node_ip_address(),
             "pid": os.getpid(),
+            "raylet_pid": os.getppid(),  # Ray workers are children of their node's raylet
         }
 
     def start(self, launch: WorkerLaunch, env: dict[str, str]) -> tuple[int, float]:
