@@ -8,24 +8,63 @@ Two layers:
   watches the worker processes of a job and replaces lost ones.
 """
 
-from . import (
-    abort,
-    completion,
-    exception,
-    finalize,
-    generation,
-    health_check,
-    initialize,
-    monitor_thread,
-    rank_assignment,
-    rank_filter,
-    state,
-    store,
-    terminate,
-    tools,
-)
-from .compose import Compose
-from .wrap import CallWrapper, Wrapper
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Imported on first use (PEP 562), so that a process that needs only the job
+# layer (a controller, a Ray node agent) does not pay for importing torch.
+_LAZY_ATTRS = {"CallWrapper": ".wrap", "Compose": ".compose", "Wrapper": ".wrap"}
+_LAZY_MODULES = {
+    "abort",
+    "completion",
+    "exception",
+    "finalize",
+    "generation",
+    "health_check",
+    "initialize",
+    "monitor_thread",
+    "rank_assignment",
+    "rank_filter",
+    "state",
+    "store",
+    "terminate",
+    "tools",
+}
+
+if TYPE_CHECKING:
+    from . import (
+        abort,
+        completion,
+        exception,
+        finalize,
+        generation,
+        health_check,
+        initialize,
+        monitor_thread,
+        rank_assignment,
+        rank_filter,
+        state,
+        store,
+        terminate,
+        tools,
+    )
+    from .compose import Compose
+    from .wrap import CallWrapper, Wrapper
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY_MODULES:
+        return importlib.import_module(f".{name}", __name__)
+    if name in _LAZY_ATTRS:
+        value = getattr(importlib.import_module(_LAZY_ATTRS[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | _LAZY_MODULES | set(_LAZY_ATTRS))
+
 
 __all__ = [
     "CallWrapper",

@@ -14,7 +14,8 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     {
         .venv/bin/python -m pip install --upgrade pip || true
         .venv/bin/python -m pip install "torch==${TORCH_VERSION:-2.13.0}"
-        .venv/bin/python -m pip install -e ".[test]"
+        # the ray extra for the Ray backend's tests (the core package does not need it)
+        .venv/bin/python -m pip install -e ".[test,ray]"
     } >.venv/install.log 2>&1 || { cat .venv/install.log; exit 1; }
     touch "$stamp"
 fi

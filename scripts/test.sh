@@ -9,4 +9,6 @@ export RES_OPTIONS="${RES_OPTIONS:-timeout:1 attempts:1}"
 .venv/bin/python -m ruff check inprocess tests benchmarks examples
 # Two workers: the multi-rank tests mostly wait on timeouts, so they overlap well
 # even on 2 cores. TEST_WORKERS=0 runs serially.
-exec .venv/bin/python -m pytest -n "${TEST_WORKERS:-2}" "$@"
+# loadgroup: the tests of one xdist_group (the Ray tests share one Ray cluster)
+# run on one worker; the others are spread as usual.
+exec .venv/bin/python -m pytest -n "${TEST_WORKERS:-2}" --dist loadgroup "$@"

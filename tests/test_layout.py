@@ -58,5 +58,5 @@ def test_create_backend_by_name(tmp_path):
     finally:
         backend.clear_exit_records()
         backend.close()
-    with pytest.raises(ValueError, match=r"backend must be one of \['local'\], got 'ray'"):
-        create_backend("ray", tmp_path)
+    with pytest.raises(ValueError, match=r"backend must be one of \['local', 'ray'\], got 'k8s'"):
+        create_backend("k8s", tmp_path)

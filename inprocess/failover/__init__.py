@@ -6,7 +6,8 @@
 * :mod:`.controller`: the loop that observes, decides and acts.
 * :mod:`.supervisor` and :mod:`.cli`: ``inprocess-run``, which keeps the
   controller alive and recovers it after a crash.
-* :mod:`.backends`: where workers run (``local``: this machine).
+* :mod:`.backends`: where workers run (``local``: this machine; ``ray``: the
+  nodes of a Ray cluster, driven by :mod:`.ray_driver`).
 """
 
 from .spec import JobSpec

@@ -78,7 +78,30 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--state-dir", type=Path, help="where the controller keeps its state")
     p.add_argument("--job-id", default=None, help="the job's id (default: generated)")
-    p.add_argument("--master-addr", default="127.0.0.1", help="address of the job's store")
+    p.add_argument(
+        "--master-addr",
+        default=None,
+        help="address the job's store binds to and workers connect to (default: 127.0.0.1; "
+        "with --backend ray, the IP address of the driver's Ray node)",
+    )
+    p.add_argument(
+        "--backend",
+        default="local",
+        choices=["local", "ray"],
+        help="where workers run: this machine (local) or the nodes of a Ray cluster (ray)",
+    )
+    p.add_argument(
+        "--ray-address",
+        default=None,
+        help="Ray cluster to run on (default: RAY_ADDRESS, else a local cluster, "
+        "started if none runs)",
+    )
+    p.add_argument(
+        "--ray-bundle",
+        default=None,
+        help='Ray resources reserved on each node, as JSON (default {"CPU": 1}); '
+        'e.g. \'{"CPU": 8, "GPU": 8}\'',
+    )
     p.add_argument(
         "--monitor-interval", type=float, default=0.1, help="controller polling interval (s)"
     )
@@ -99,6 +122,26 @@ def main(argv: list[str] | None = None) -> int:
     args.log_level = logging.getLevelName(level)
     if args.max_controller_restarts < 0:
         return _error(f"--max-controller-restarts must be >= 0, got {args.max_controller_restarts}")
+    ray_node = bundle = None
+    if args.backend != "ray" and (args.ray_address or args.ray_bundle):
+        return _error("--ray-address and --ray-bundle need --backend ray")
+    if args.backend == "ray":
+        try:
+            from .ray_driver import connect, parse_bundle
+        except ImportError as ex:
+            return _error(
+                f"--backend ray needs Ray: pip install 'inprocess[ray]' ({ex})"
+            )
+        try:
+            bundle = parse_bundle(args.ray_bundle)
+        except ValueError as ex:
+            return _error(str(ex))
+    if not Path(args.script).is_file():
+        return _error(f"SCRIPT {args.script!r} is not a file")
+    if args.backend == "ray":
+        ray_node = connect(args.ray_address)  # before our variables enter the environment
+    if args.master_addr is None:
+        args.master_addr = ray_node["ip"] if ray_node else "127.0.0.1"
     job_id = args.job_id or _default_job_id()
     state_dir = (args.state_dir or Path("inprocess-runs") / job_id).absolute()
     script = Path(args.script)
@@ -145,6 +188,17 @@ def main(argv: list[str] | None = None) -> int:
     if not os.environ.get(JOB_SECRET_ENV):
         os.environ[JOB_SECRET_ENV] = secrets.token_hex(32)
     try:
+        if ray_node is not None:
+            from .ray_driver import RayDriver
+
+            return RayDriver(
+                state_dir,
+                ray_node,
+                bundle or {},
+                args.log_level,
+                args.max_controller_restarts,
+                run_token,
+            ).run()
         return Supervisor(
             state_dir,
             ["--log-level", args.log_level],

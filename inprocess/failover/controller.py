@@ -38,11 +38,12 @@ from typing import Any
 from .. import protocol
 from ..security import keyed_namespace
 from . import policy
-from .backends import DEFAULT_BACKEND, Backend, WorkerLaunch, create_backend
+from .backends import DEFAULT_BACKEND, Backend, ProcessExit, WorkerLaunch, create_backend
 from .policy import (
     Action,
     Decision,
     Ignore,
+    NodeLost,
     NoLiveMember,
     RelaunchNode,
     RelaunchWorker,
@@ -215,14 +216,18 @@ class Controller:
         before its process ends, so its exit is then known to be on purpose.
         """
         exits = self.backend.wait(self.spec.monitor_interval)
+        # Lost machines first: whatever else is decided must not use their slots.
+        lost_nodes = self._lost_nodes(exits)
+        exits = [e for e in exits if not e.lost]
         running = self.state.stage is Stage.RUNNING
         lost = self._store_problem() if running else None
         if lost is not None:
             # The exits of this interval are most likely its consequence; the
             # cold restart replaces every incarnation anyway.
-            return [StoreLost(self.state.generation, lost)]
+            return [*lost_nodes, StoreLost(self.state.generation, lost)]
         snapshot = self._read_job() if running else None
-        events: list[policy.Event] = self._reports(snapshot) if snapshot else []
+        events: list[policy.Event] = lost_nodes
+        events += self._reports(snapshot) if snapshot else []
         for exit_ in exits:
             worker = self._worker_of_pid(exit_.pid)
             if worker is None:
@@ -233,6 +238,19 @@ class Controller:
             dead = self._no_live_member(snapshot)
             if dead is not None:
                 events.append(NoLiveMember(self.state.generation, dead))
+        return events
+
+    def _lost_nodes(self, exits: list[ProcessExit]) -> list[policy.Event]:
+        """One :class:`NodeLost` per node whose machine the backend saw lost."""
+        events: list[policy.Event] = []
+        for exit_ in exits:
+            worker = self._worker_of_pid(exit_.pid) if exit_.lost else None
+            if worker is None:
+                continue
+            node = self.state.workers[worker].node
+            slot = self.state.node_slots[node]
+            if all(not (isinstance(e, NodeLost) and e.node == node) for e in events):
+                events.append(NodeLost(node, slot, exit_.lost or "lost"))
         return events
 
     def _worker_of_pid(self, pid: int) -> int | None:
@@ -432,7 +450,8 @@ class Controller:
         """A new store server (a fresh key space) and every worker (a cold start)."""
         self._stop_server()
         self._no_member_since = None
-        self.server = start_store_server(self.spec.master_addr)
+        start = getattr(self.backend, "start_store_server", start_store_server)
+        self.server = start(self.spec.master_addr)
         state = self.state.copy()
         state.store = {
             "host": self.server.host,

@@ -86,6 +86,7 @@ __all__ = [
     "Event",
     "Ignore",
     "NoLiveMember",
+    "NodeLost",
     "PolicyError",
     "RelaunchNode",
     "RelaunchWorker",
@@ -229,7 +230,23 @@ class NoLiveMember:
             )
 
 
-Event = WorkerExited | WorkerReported | StoreLost | NoLiveMember
+@dataclasses.dataclass(frozen=True)
+class NodeLost:
+    """The machine that ran node ``node`` on slot ``slot`` is gone (``reason`` says how),
+    with every worker it ran."""
+
+    node: int
+    slot: int
+    reason: str
+
+    def __post_init__(self) -> None:
+        _check_int("NodeLost.node", self.node, 0)
+        _check_int("NodeLost.slot", self.slot, 0)
+        if not isinstance(self.reason, str) or not self.reason:
+            raise PolicyError(f"NodeLost.reason must be a non-empty string, got {self.reason!r}")
+
+
+Event = WorkerExited | WorkerReported | StoreLost | NoLiveMember | NodeLost
 
 
 # -- actions: what the controller must do next ------------------------------
@@ -585,13 +602,54 @@ def _generation_lost(state: JobState, event: StoreLost | NoLiveMember, now: floa
     return _restart_job(new, event.reason, now)
 
 
+def _node_lost(state: JobState, event: NodeLost, now: float) -> Decision:
+    """A node's machine is gone: relaunch the node (not a failure) within the limits."""
+    what = f"node {event.node} lost (slot {event.slot}): {event.reason}"
+    if state.stage is not Stage.RUNNING:
+        return _ignore(state, f"{what} while the job is {state.stage.value}: ignored")
+    if event.node not in state.node_slots:
+        return _ignore(state, f"{what}: no such node: ignored", logging.WARNING)
+    if state.node_slots[event.node] != event.slot:
+        return _ignore(state, f"{what}: stale, the node is on slot {state.node_slots[event.node]}")
+    new = _changed(state, now)
+    new.log_event("node_lost", what, now)
+    logger.warning("job %s: %s", new.job_id, what)
+    spec = new.spec
+    ended = (WorkerStatus.SUCCEEDED, WorkerStatus.ABORTED)
+    workers = tuple(x for x in spec.workers_of(event.node) if new.workers[x].status not in ended)
+    if not workers:
+        return Decision(new, [])
+    if new.node_relaunches >= spec.node_max_relaunches:
+        return _stop(
+            new,
+            FAILURE_EXIT_CODE,
+            f"{what}; all node_max_relaunches={spec.node_max_relaunches} node relaunches are used",
+            now,
+        )
+    if new.wrapper_managed is True:
+        from_slot, to_slot = _move_node(new, event.node, now)
+        _mark_running_as_stopping(new, set(workers))
+        return Decision(new, [RelaunchNode(event.node, from_slot, to_slot, workers)])
+    if new.job_restarts >= spec.job_max_restarts:
+        return _stop(
+            new,
+            FAILURE_EXIT_CODE,
+            f"{what}; no cold restart left: job_max_restarts={spec.job_max_restarts} used",
+            now,
+        )
+    from_slot, to_slot = _move_node(new, event.node, now)
+    return _restart_job(new, f"{what}; moved from slot {from_slot} to slot {to_slot}", now)
+
+
 def handle_event(state: JobState, event: Event, *, now: float) -> Decision:
     """Decide what a worker exit or failure report means (rules in the module doc)."""
     if isinstance(event, StoreLost | NoLiveMember):
         return _generation_lost(state, event, now)
+    if isinstance(event, NodeLost):
+        return _node_lost(state, event, now)
     if not isinstance(event, WorkerExited | WorkerReported):
         raise PolicyError(
-            "event must be WorkerExited, WorkerReported, StoreLost or NoLiveMember, "
+            "event must be WorkerExited, WorkerReported, StoreLost, NoLiveMember or NodeLost, "
             f"got {type(event).__name__}"
         )
     w, inc = event.worker, event.incarnation

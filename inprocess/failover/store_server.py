@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -62,8 +63,13 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def start_store_server(host: str, timeout: float = 60.0) -> StoreServer:
-    """Starts a store server and returns once it accepts connections."""
+def start_store_server(
+    host: str, timeout: float = 60.0, preexec_fn: Callable[[], None] | None = None
+) -> StoreServer:
+    """Starts a store server and returns once it accepts connections.
+
+    ``preexec_fn`` runs in the child before the server starts (e.g. to tie its
+    life to its parent's)."""
     ready_r, ready_w = os.pipe()
     env = dict(os.environ)
     # torch's store server resolves the name of every client that connects, for
@@ -77,6 +83,7 @@ def start_store_server(host: str, timeout: float = 60.0) -> StoreServer:
             start_new_session=True,
             stdin=subprocess.DEVNULL,
             env=env,
+            preexec_fn=preexec_fn,
         )
     finally:
         os.close(ready_w)

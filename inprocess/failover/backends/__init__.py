@@ -30,6 +30,15 @@ The interface:
 * ``clear_exit_records()``: the job is over; drop whatever ``record_exit`` kept.
 * ``close()``: release the backend's own resources; workers keep running.
 
+Optional, for an engine that sees machines come and go:
+
+* a :class:`ProcessExit` from ``wait`` with ``lost`` set: the process ended
+  because its machine (node) is gone; the controller then handles the loss of
+  the node (``policy.NodeLost``) rather than failures of its workers.
+* ``start_store_server(host) -> StoreServer``: hosts the job's store server
+  somewhere that outlives a restart of the controller (by default the
+  controller starts it as a process of its own).
+
 A backend is built by :func:`create_backend` from its name and the job's state
 directory (where it may keep files that outlive a controller). The methods are
 called from the controller's (or supervisor's) main thread only.
@@ -46,7 +55,10 @@ from typing import Protocol
 DEFAULT_BACKEND = "local"
 
 #: backend name -> "module:class" (imported when asked for)
-BACKENDS = {"local": "inprocess.failover.backends.local:LocalBackend"}
+BACKENDS = {
+    "local": "inprocess.failover.backends.local:LocalBackend",
+    "ray": "inprocess.failover.backends.ray:RayBackend",  # needs the ``ray`` extra
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +80,8 @@ class ProcessExit:
     pid: int
     exit_code: int | None
     signal: int | None
+    #: set when the process's machine was lost (how): a node failure, not the worker's
+    lost: str | None = None
 
 
 class Backend(Protocol):

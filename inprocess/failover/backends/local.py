@@ -63,7 +63,10 @@ def read_exit_record(exits_dir: Path, pid: int) -> ProcessExit:
 class LocalBackend:
     """Worker processes of this machine, each in its own session and process group."""
 
-    def __init__(self, state_dir: Path) -> None:
+    def __init__(self, state_dir: Path, die_with_parent: bool = False) -> None:
+        #: workers get SIGKILL when this process dies (PR_SET_PDEATHSIG), for a host
+        #: that must take its workers with it (a Ray node agent)
+        self.die_with_parent = die_with_parent
         self.exits_dir = state_dir / "exits"  # the exit records of reaped orphans
         self._children: dict[int, subprocess.Popen[bytes]] = {}
         self._pidfds: dict[int, int] = {}
@@ -75,6 +78,7 @@ class LocalBackend:
             env=launch.env,
             start_new_session=True,
             stdin=subprocess.DEVNULL,
+            preexec_fn=kill_on_parent_death if self.die_with_parent else None,
         )
         self._children[process.pid] = process
         self._watch(process.pid)
@@ -162,6 +166,17 @@ class LocalBackend:
                 self._poller.unregister(fd)
             os.close(fd)
         self._children.clear()
+
+
+def kill_on_parent_death() -> None:
+    """In a forked child: SIGKILL when the thread that forked it ends (``PR_SET_PDEATHSIG``).
+
+    The kernel ties it to the forking *thread*: fork from a thread that lives
+    as long as the process (the main thread, or a dedicated one).
+    """
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:

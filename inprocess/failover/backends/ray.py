@@ -1,0 +1,473 @@
+"""The ``ray`` backend: a node of the job is a Ray node (``pip install 'inprocess[ray]'``).
+
+Who runs where (all actors in the Ray namespace :data:`NAMESPACE`, named after the job):
+
+* ``<job>/host`` (:class:`JobHost`, on the driver's node): owns the node
+  agents and hosts the job's store servers, so both outlive a restart of the
+  controller actor. Store servers are its children and die with it.
+* ``<job>/agent<slot>`` (:class:`NodeAgent`, one per node slot, spares
+  included): pinned to its bundle of the job's ``STRICT_SPREAD`` placement
+  group, so each slot is a different Ray node. It starts and watches that
+  node's worker processes with the local backend's process code; the workers
+  are SIGKILLed by the kernel when the agent's process dies.
+* the controller actor (:mod:`inprocess.failover.ray_driver`) uses
+  :class:`RayBackend`, which implements :class:`~inprocess.failover.backends.Backend`
+  by calling the agents.
+
+Node loss is seen through Ray: an agent whose actor died (its node or its
+process is gone) or whose node the GCS reports dead. Its workers are then
+reported as exits with ``lost`` set, which the controller handles as the
+loss of the node (a relaunch on a spare slot, not counted as failures).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from ..processes import process_start_time
+from ..store_server import StoreServer, start_store_server
+from . import ProcessExit, WorkerLaunch
+from .local import LocalBackend, kill_on_parent_death
+
+log = logging.getLogger(__name__)
+
+#: the Ray namespace of every actor of every job (names carry the job id)
+NAMESPACE = "inprocess"
+#: how long a call to an agent may take before the agent is treated as unreachable
+CALL_TIMEOUT = 30.0
+#: how long a new agent may take to start on its node
+AGENT_START_TIMEOUT = 60.0
+#: how often the GCS is asked which nodes are dead
+NODE_CHECK_INTERVAL = 1.0
+#: "pids" of workers that could not be started for want of a machine (above any
+#: real pid: Linux's pid_max is at most 2**22)
+PLACEHOLDER_PID = 1 << 30
+
+
+def host_name(job_id: str) -> str:
+    return f"{job_id}/host"
+
+
+def agent_name(job_id: str, slot: int) -> str:
+    return f"{job_id}/agent{slot}"
+
+
+def controller_name(job_id: str) -> str:
+    return f"{job_id}/controller"
+
+
+class NodeAgent:
+    """Starts and watches the worker processes of one node (a Ray actor).
+
+    Single-threaded (a plain Ray actor): its methods run one at a time, on the
+    process's main thread, which lives as long as the process: the workers'
+    ``PR_SET_PDEATHSIG`` (tied to the forking thread) fires only when the
+    agent's process dies.
+    """
+
+    def __init__(self, job_id: str, slot: int) -> None:
+        self.job_id = job_id
+        self.slot = slot
+        self._dir = Path(tempfile.mkdtemp(prefix="inprocess-agent-"))
+        self._backend = LocalBackend(self._dir, die_with_parent=True)
+        self._started: dict[int, float] = {}  # pid -> start time, of every worker started here
+        self._exits: dict[int, ProcessExit] = {}  # every exit seen here (for exit_of)
+        self._unreported: list[ProcessExit] = []
+
+    def where(self) -> dict[str, Any]:
+        """This agent's Ray node id, IP address and pid."""
+        return {
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "ip": ray.util.get_node_ip_address(),
+            "pid": os.getpid(),
+            "raylet_pid": os.getppid(),  # Ray workers are children of their node's raylet
+        }
+
+    def start(self, launch: WorkerLaunch, env: dict[str, str]) -> tuple[int, float]:
+        """Starts a worker with this node's environment plus the job's ``env``."""
+        full_env = dict(os.environ)
+        full_env.update(env)
+        pid, start_time = self._backend.start(
+            WorkerLaunch(
+                worker=launch.worker,
+                incarnation=launch.incarnation,
+                node=launch.node,
+                slot=launch.slot,
+                argv=launch.argv,
+                env=full_env,
+            )
+        )
+        self._started[pid] = start_time
+        return pid, start_time
+
+    def poll(self) -> list[ProcessExit]:
+        """Exits seen since the last poll (never blocks)."""
+        self._collect()
+        exits, self._unreported = self._unreported, []
+        return exits
+
+    def _collect(self) -> None:
+        for exit_ in self._backend.wait(0):
+            self._exits[exit_.pid] = exit_
+            self._unreported.append(exit_)
+
+    def running(self, pid: int, start_time: float | None) -> bool:
+        return pid in self._started and process_start_time(pid) == start_time
+
+    def attach(self, pid: int, start_time: float) -> bool:
+        """Whether ``pid`` is a live worker of this agent (a new controller adopts it)."""
+        self._collect()
+        return self._started.get(pid) == start_time and pid not in self._exits
+
+    def exit_of(self, pid: int) -> ProcessExit | None:
+        self._collect()
+        return self._exits.get(pid)
+
+    def stop(self, pids: list[int], grace: float) -> None:
+        self._backend.stop([p for p in pids if p in self._started], grace)
+
+    def shutdown(self, grace: float) -> None:
+        """Stops every worker of this node (the job is over)."""
+        self._backend.stop(list(self._started), grace)
+        self._collect()
+        self._backend.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class JobHost:
+    """Owns the node agents and the store servers of one job (a Ray actor on the driver's node).
+
+    A Ray actor dies with its owner: agents created here survive a restart of
+    the controller actor, and die with this actor (and it with the driver).
+    """
+
+    def __init__(
+        self,
+        job_id: str,
+        placement_group: Any,
+        num_slots: int,
+        env: dict[str, str],
+    ) -> None:
+        self.job_id = job_id
+        self.placement_group = placement_group
+        self.num_slots = num_slots
+        # The job's variables, for the store servers (this process is the actor's own).
+        os.environ.update(env)
+        self._agents: dict[int, Any] = {}
+        self._stores: list[StoreServer] = []
+
+    def start_agents(self) -> list[dict[str, Any]]:
+        """An agent on every slot, started together; returns where each runs."""
+        for slot in range(self.num_slots):
+            if slot not in self._agents:
+                self._agents[slot] = self._new_agent(slot)
+        return [self.agent(slot)[1] for slot in range(self.num_slots)]
+
+    def _new_agent(self, slot: int) -> Any:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return (
+            ray.remote(NodeAgent)
+            .options(
+                name=agent_name(self.job_id, slot),
+                namespace=NAMESPACE,
+                num_cpus=0,
+                max_restarts=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=self.placement_group,
+                    placement_group_bundle_index=slot,
+                ),
+            )
+            .remote(self.job_id, slot)
+        )
+
+    def agent(self, slot: int) -> tuple[Any, dict[str, Any]]:
+        """The live agent of ``slot`` (a new one if it died) and where it runs.
+
+        Raises:
+            RuntimeError: no agent could be started on the slot's bundle within
+                :data:`AGENT_START_TIMEOUT` (no Ray node to place it on).
+        """
+        handle = self._agents.get(slot)
+        if handle is not None:
+            try:
+                return handle, ray.get(handle.where.remote(), timeout=AGENT_START_TIMEOUT)
+            except (ray.exceptions.RayError, TimeoutError):
+                with contextlib.suppress(Exception):
+                    ray.kill(handle)
+                self._agents.pop(slot, None)
+        handle = self._new_agent(slot)
+        try:
+            where = ray.get(handle.where.remote(), timeout=AGENT_START_TIMEOUT)
+        except (ray.exceptions.RayError, TimeoutError) as ex:
+            ray.kill(handle)
+            raise RuntimeError(
+                f"no agent could start on node slot {slot} within {AGENT_START_TIMEOUT:.3g}s "
+                f"(no Ray node for its placement group bundle?): {ex}"
+            ) from ex
+        self._agents[slot] = handle
+        log.info("agent of slot %d runs on node %s (%s)", slot, where["node_id"], where["ip"])
+        return handle, where
+
+    def forget(self, slot: int) -> None:
+        """The agent of ``slot`` is gone (its node died)."""
+        handle = self._agents.pop(slot, None)
+        if handle is not None:
+            with contextlib.suppress(Exception):
+                ray.kill(handle)
+
+    def start_store_server(self, host: str) -> StoreServer:
+        """A store server, child of this actor, killed by the kernel if this actor dies."""
+        self._stores = [s for s in self._stores if s.alive()]
+        server = start_store_server(host, preexec_fn=kill_on_parent_death)
+        self._stores.append(server)
+        return server
+
+    def shutdown(self, grace: float) -> None:
+        """Stops every worker (through the agents), kills the agents and the store servers."""
+        refs = {slot: h.shutdown.remote(grace) for slot, h in self._agents.items()}
+        for slot, ref in refs.items():
+            try:
+                ray.get(ref, timeout=grace + CALL_TIMEOUT)
+            except (ray.exceptions.RayError, TimeoutError) as ex:
+                log.warning("agent of slot %d did not shut down: %s", slot, ex)
+        for handle in self._agents.values():
+            with contextlib.suppress(Exception):
+                ray.kill(handle)
+        self._agents.clear()
+        for server in self._stores:
+            server.stop()
+        self._stores.clear()
+
+
+def _died(ex: BaseException) -> bool:
+    """Whether ``ex`` says an actor is dead for good (not merely unreachable for now)."""
+    unavailable = getattr(ray.exceptions, "ActorUnavailableError", None)
+    if unavailable is not None and isinstance(ex, unavailable):
+        return False
+    return isinstance(ex, ray.exceptions.RayActorError)
+
+
+class RayBackend:
+    """Workers on the Ray nodes of the job's placement group (controller side).
+
+    Built by the controller actor (``create_backend("ray", state_dir)``) on the
+    driver's node; finds the job's host actor by name, and through it the agents.
+    Methods are called from the controller's thread only.
+    """
+
+    def __init__(self, state_dir: Path) -> None:
+        from ..state import StateStore
+
+        self._states = StateStore(state_dir)
+        spec = self._states.load().spec
+        self.job_id = spec.job_id
+        self.num_slots = spec.num_slots
+        self.host = ray.get_actor(host_name(self.job_id), namespace=NAMESPACE)
+        self._agents: dict[int, Any] = {}
+        self._nodes: dict[int, str] = {}  # slot -> Ray node id of its agent
+        self._watched: dict[int, int] = {}  # pid -> slot, of started or attached workers
+        self._polls: dict[int, Any] = {}  # slot -> the poll call in flight
+        self._lost: list[ProcessExit] = []
+        self._last_node_check = 0.0
+        self._base_env = dict(os.environ)
+        self._placeholders = 0
+
+    # -- agents
+
+    def _agent(self, slot: int) -> Any:
+        """The agent of ``slot``; the host starts a new one if it is gone."""
+        handle = self._agents.get(slot)
+        if handle is None:
+            handle, where = ray.get(self.host.agent.remote(slot), timeout=AGENT_START_TIMEOUT + 10)
+            self._agents[slot] = handle
+            self._nodes[slot] = where["node_id"]
+        return handle
+
+    def _existing_agent(self, slot: int) -> Any | None:
+        """The live agent of ``slot`` if there is one (never starts one)."""
+        if slot in self._agents:
+            return self._agents[slot]
+        try:
+            handle = ray.get_actor(agent_name(self.job_id, slot), namespace=NAMESPACE)
+            where = ray.get(handle.where.remote(), timeout=CALL_TIMEOUT)
+        except (ValueError, ray.exceptions.RayError, TimeoutError):
+            return None
+        self._agents[slot] = handle
+        self._nodes[slot] = where["node_id"]
+        return handle
+
+    def _slot_of(self, pid: int) -> int | None:
+        """The slot of the worker recorded (in the job's state) as process ``pid``."""
+        for record in self._states.load().workers.values():
+            if record.pid == pid:
+                return record.slot
+        return None
+
+    def _call(self, slot: int, method: str, *args: Any) -> Any:
+        return ray.get(getattr(self._agent(slot), method).remote(*args), timeout=CALL_TIMEOUT)
+
+    def _lose(self, slot: int, reason: str) -> None:
+        """The agent of ``slot`` is gone: its workers are reported lost with ``reason``."""
+        log.warning("node slot %d lost: %s", slot, reason)
+        self._agents.pop(slot, None)
+        self._nodes.pop(slot, None)
+        self._polls.pop(slot, None)
+        with contextlib.suppress(Exception):
+            self.host.forget.remote(slot)
+        for pid, s in list(self._watched.items()):
+            if s == slot:
+                del self._watched[pid]
+                self._lost.append(ProcessExit(pid, None, None, lost=reason))
+
+    def _check_nodes(self) -> None:
+        """Agents whose Ray node the GCS reports dead are lost (also when a call would hang)."""
+        now = time.monotonic()
+        if now - self._last_node_check < NODE_CHECK_INTERVAL or not self._nodes:
+            return
+        self._last_node_check = now
+        try:
+            alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        except Exception as ex:  # the GCS is unreachable for now: ask again later
+            log.debug("cannot list Ray nodes: %s", ex)
+            return
+        for slot, node in list(self._nodes.items()):
+            if node not in alive:
+                self._lose(slot, f"Ray node {node} is dead")
+
+    # -- Backend
+
+    def start(self, launch: WorkerLaunch) -> tuple[int, float]:
+        # The job's variables only: the rest of the environment is the node's own.
+        env = {k: v for k, v in launch.env.items() if self._base_env.get(k) != v}
+        env.update({k: v for k, v in launch.env.items() if k.startswith("INPROCESS_")})
+        bare = WorkerLaunch(
+            launch.worker, launch.incarnation, launch.node, launch.slot, launch.argv, {}
+        )
+        try:
+            handle = self._agent(launch.slot)
+        except (RuntimeError, ray.exceptions.RayError, TimeoutError) as ex:
+            # No machine for this slot (its node was lost and Ray has none to
+            # replace it): a placeholder process, lost at once, so that the
+            # policy decides (another relaunch within its limits, or the end).
+            self._placeholders += 1
+            pid = PLACEHOLDER_PID + self._placeholders
+            self._watched[pid] = launch.slot
+            self._lost.append(ProcessExit(pid, None, None, lost=f"node slot {launch.slot}: {ex}"))
+            del self._watched[pid]
+            return pid, 0.0
+        pid, start_time = ray.get(handle.start.remote(bare, env), timeout=CALL_TIMEOUT)
+        self._watched[pid] = launch.slot
+        return pid, start_time
+
+    def running(self, pid: int, start_time: float | None) -> bool:
+        slot = self._watched.get(pid)
+        if slot is None:
+            return False
+        try:
+            return bool(self._call(slot, "running", pid, start_time))
+        except (ray.exceptions.RayError, TimeoutError):
+            return False
+
+    def attach(self, pid: int, start_time: float) -> bool:
+        """Adopts a worker of an earlier controller. One whose agent is gone is adopted
+        too, and reported lost with its node by the next :meth:`wait`."""
+        slot = self._slot_of(pid)
+        if slot is None:
+            return False
+        handle = self._existing_agent(slot)
+        if handle is None:
+            self._watched[pid] = slot
+            self._lose(slot, f"the agent of node slot {slot} is gone")
+            return True
+        try:
+            if ray.get(handle.attach.remote(pid, start_time), timeout=CALL_TIMEOUT):
+                self._watched[pid] = slot
+                return True
+        except (ray.exceptions.RayError, TimeoutError) as ex:
+            if _died(ex):
+                self._watched[pid] = slot
+                self._lose(slot, f"the agent of node slot {slot} died: {type(ex).__name__}")
+                return True
+        return False
+
+    def stop(self, pids: list[int], grace: float) -> None:
+        by_slot: dict[int, list[int]] = {}
+        for pid in pids:
+            if pid in self._watched:
+                by_slot.setdefault(self._watched[pid], []).append(pid)
+        refs = {}
+        for slot, slot_pids in by_slot.items():
+            handle = self._agents.get(slot)
+            if handle is not None:
+                refs[slot] = handle.stop.remote(slot_pids, grace)
+        for slot, ref in refs.items():
+            try:
+                ray.get(ref, timeout=grace + CALL_TIMEOUT)
+            except (ray.exceptions.RayError, TimeoutError) as ex:
+                log.warning("cannot stop the workers of slot %d: %s", slot, ex)
+
+    def wait(self, timeout: float) -> list[ProcessExit]:
+        """Polls every agent in use once (one call in flight per agent), up to ``timeout``."""
+        deadline = time.monotonic() + timeout
+        self._check_nodes()
+        for slot in set(self._watched.values()):
+            if slot not in self._polls and slot in self._agents:
+                self._polls[slot] = self._agents[slot].poll.remote()
+        exits, self._lost = self._lost, []
+        if self._polls:
+            ready, _ = ray.wait(
+                list(self._polls.values()), num_returns=len(self._polls), timeout=timeout
+            )
+            ready_set = set(ready)
+            for slot, ref in list(self._polls.items()):
+                if ref not in ready_set:
+                    continue  # still in flight: collected by a later wait
+                del self._polls[slot]
+                try:
+                    polled = ray.get(ref)
+                except ray.exceptions.RayError as ex:
+                    if _died(ex):
+                        self._lose(slot, f"the agent of node slot {slot} died: {type(ex).__name__}")
+                    continue
+                for exit_ in polled:
+                    if self._watched.pop(exit_.pid, None) is not None:
+                        exits.append(exit_)
+            exits += self._lost
+            self._lost = []
+        if not exits:
+            time.sleep(max(0.0, deadline - time.monotonic()))
+        return exits
+
+    def exit_of(self, pid: int) -> ProcessExit:
+        slot = self._slot_of(pid)
+        handle = self._existing_agent(slot) if slot is not None else None
+        if handle is not None:
+            with contextlib.suppress(ray.exceptions.RayError, TimeoutError):
+                found = ray.get(handle.exit_of.remote(pid), timeout=CALL_TIMEOUT)
+                if found is not None:
+                    return found
+        return ProcessExit(pid, None, None)
+
+    def record_exit(self, pid: int, status: int) -> None:
+        """Workers are children of the agents, never of the launching machine."""
+
+    def clear_exit_records(self) -> None:
+        """Nothing kept on this machine."""
+
+    def start_store_server(self, host: str) -> StoreServer:
+        """The store server is hosted by the job's host actor: it outlives this controller."""
+        server: StoreServer = ray.get(self.host.start_store_server.remote(host), timeout=90)
+        return server
+
+    def close(self) -> None:
+        self._polls.clear()

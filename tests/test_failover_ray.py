@@ -1,0 +1,255 @@
+"""``inprocess-run --backend ray`` on a real Ray cluster (issue 11).
+
+One ``ray.cluster_utils.Cluster`` for the module (starting Ray nodes is the
+slow part): a head node without CPUs (driver, controller, store) and three
+nodes of one CPU each (2 job nodes + 1 spare; each bundle takes one CPU).
+Skipped when Ray is not installed; ``-m "not ray"`` skips these too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from inprocess.failover.supervisor import job_processes
+
+ray_cluster_utils = pytest.importorskip("ray.cluster_utils")
+
+from test_failover_e2e import ENV, RUN, TRAIN, Launch, check_after_run  # noqa: E402
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.xdist_group("ray")]
+
+
+def _is_ray_process(proc: psutil.Process) -> bool:
+    """A process of Ray itself (raylet, GCS, its worker pool, agents), not of a job."""
+    with contextlib.suppress(psutil.Error):
+        cmd = " ".join(proc.cmdline())
+        return "/ray/" in cmd or cmd.startswith(("ray::", "ray_")) or "raylet" in cmd
+    return True  # gone meanwhile
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A Ray cluster of 4 nodes on this machine, shut down (and checked) after the module."""
+    c = ray_cluster_utils.Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 0,
+            "include_dashboard": False,
+            "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 4},
+        },
+    )
+    try:
+        for _ in range(3):
+            c.add_node(num_cpus=1)
+        yield c
+        # Nothing of the jobs is left on the cluster: no named actor, no placement group.
+        check = (
+            f"import ray; ray.init(address={c.address!r}, logging_level='ERROR');"
+            "print(len(ray.util.list_named_actors(all_namespaces=True)),"
+            " sorted({p['state'] for p in ray.util.placement_group_table().values()}))"
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", check], env=ENV, capture_output=True, text=True, timeout=120
+        )
+        assert out.stdout.split("\n")[-2] in ("0 []", "0 ['REMOVED']"), out.stdout + out.stderr
+    finally:
+        c.shutdown()
+    # Ray itself is gone too: no process of it outlives the fixture.
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        left = [p for p in psutil.Process().children(recursive=True) if _is_ray_process(p)]
+        if not left:
+            break
+        time.sleep(0.2)
+    assert not left, f"Ray processes left: {left}"
+
+
+@pytest.fixture(autouse=True)
+def no_leaks():
+    """conftest's check, but Ray's own processes (the shared cluster's raylets, worker
+    pool, agents) may come and go while the module's cluster lives; the cluster
+    fixture checks them when it shuts down. The jobs' processes may not stay."""
+    threads = set(__import__("threading").enumerate())
+    children = {p.pid for p in psutil.Process().children(recursive=True)}
+    fds = {int(fd) for fd in os.listdir("/proc/self/fd")}
+    yield
+    deadline = time.monotonic() + 10
+    while True:
+        new_children = [
+            p
+            for p in psutil.Process().children(recursive=True)
+            if p.pid not in children and not _is_ray_process(p)
+        ]
+        new_threads = [
+            t for t in __import__("threading").enumerate() if t not in threads and t.is_alive()
+        ]
+        if not (new_children or new_threads) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert not new_threads, f"leaked threads: {new_threads}"
+    assert not new_children, f"leaked processes: {new_children}"
+    leaked = set()
+    for fd in {int(fd) for fd in os.listdir("/proc/self/fd")} - fds:
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if "/ray/" not in target and "session_" not in target:
+                leaked.add((fd, target))
+    assert not leaked, f"leaked file descriptors: {leaked}"
+
+
+def _node_of(cluster, where: dict):
+    """The ``cluster_utils`` node an agent ran on (by node id; Ray < 2.2x: by raylet pid)."""
+    for n in cluster.worker_nodes:
+        if getattr(n, "node_id", None) == where["node_id"]:
+            return n
+    for n in cluster.worker_nodes:
+        if n.all_processes["raylet"][0].process.pid == where["raylet_pid"]:
+            return n
+    raise LookupError(f"no node of the cluster runs {where}")
+
+
+class RayLaunch(Launch):
+    """A job of 2 nodes x 2 workers on the module's Ray cluster."""
+
+    def __init__(self, tmp, cluster, *flags, script_args=()):
+        super().__init__(
+            tmp,
+            "--backend",
+            "ray",
+            "--ray-address",
+            cluster.address,
+            *flags,
+            script=TRAIN,
+            script_args=script_args,
+        )
+
+    def nodes(self) -> dict:
+        return json.loads((self.state_dir / "ray_nodes.json").read_text())
+
+
+def wait_for(predicate, launch, timeout, what):
+    launch.wait_until(predicate, timeout=timeout, what=what)
+
+
+@pytest.mark.timeout(300)
+def test_worker_kill_controller_kill_and_node_loss(tmp_path, cluster):
+    """One job through three faults: a worker SIGKILLed (relaunched in place, rejoins),
+    the controller actor killed (restarted by Ray, recovers), and a job node removed
+    from the cluster (its workers relaunched on the spare node, not counted as failures).
+    Ends 0 at full world size with the exact step count."""
+    steps = 1800
+    with RayLaunch(
+        tmp_path,
+        cluster,
+        "--spare-nodes",
+        "1",
+        script_args=["--steps", str(steps), "--step-time", "0.02"],
+    ) as launch:
+        wait_for(lambda: launch.running_at_step(10), launch, 150, "training")
+        # 1. a worker dies: the survivors go on in-process, its replacement rejoins
+        killed_at = time.time()
+        os.kill(launch.state()["workers"]["1"]["pid"], signal.SIGKILL)
+        wait_for(lambda: launch.full_size_since(killed_at), launch, 90, "full size again")
+        # 2. the controller actor's process dies: Ray restarts it, it recovers
+        first = int((launch.state_dir / "controller.pid").read_text())
+        os.kill(first, signal.SIGKILL)
+        wait_for(
+            lambda: int((launch.state_dir / "controller.pid").read_text()) != first,
+            launch,
+            90,
+            "a restarted controller",
+        )
+        wait_for(
+            lambda: any(e["kind"] == "recover" for e in launch.state()["events"]),
+            launch,
+            60,
+            "recovery",
+        )
+        step = json.loads((launch.out / "checkpoint.json").read_text())["step"]
+        wait_for(lambda: launch.running_at_step(step + 20), launch, 60, "progress")
+        # 3. the Ray node of job node 1 (workers 2, 3) goes away
+        victim = _node_of(cluster, launch.nodes()[str(launch.state()["node_slots"]["1"])])
+        lost_at = time.time()
+        cluster.remove_node(victim)
+        wait_for(lambda: launch.full_size_since(lost_at), launch, 120, "full size after loss")
+        code = launch.finish(timeout=240)
+        assert code == 0, launch.output()
+        finishes = [e for e in launch.events() if e["kind"] == "finish"]
+        assert sorted(e["rank"] for e in finishes) == [0, 1, 2, 3], launch.output()
+        for e in finishes:
+            assert e["result"] == {"step": steps, "w": float(steps), "world": 4}
+        check_after_run(launch)
+        state = launch.state()
+        assert state["worker_restarts"]["1"] == 1
+        assert state["node_relaunches"] == 1
+        assert state["node_slots"]["1"] == 2  # moved to the spare slot
+        # the node's loss was not counted as failures of its workers
+        assert state["worker_restarts"]["2"] == 0 and state["worker_restarts"]["3"] == 0
+        assert any(e["kind"] == "node_lost" for e in state["events"])
+
+
+@pytest.mark.timeout(240)
+def test_worker_that_always_crashes_stops_the_job(tmp_path, cluster):
+    with RayLaunch(
+        tmp_path,
+        cluster,
+        "--max-restarts",
+        "2",
+        "--nnodes",  # one node is enough here
+        "1",
+        script_args=[
+            "--steps",
+            "100000",
+            "--crash-rank",
+            "1",
+            "--crash-times",
+            "1000",
+            "--crash-step",
+            "1",
+        ],
+    ) as launch:
+        code = launch.finish(timeout=200)
+        assert code != 0, launch.output()
+        state = launch.state()
+        assert state["stage"] == "STOPPED" and state["exit_code"] == code
+        assert "max_restarts" in state["reason"], state["reason"]
+        assert state["worker_restarts"]["1"] == 3
+        check_after_run(launch)
+        assert not job_processes(launch.job_id)
+
+
+@pytest.mark.timeout(180)
+def test_ctrl_c_stops_the_job_and_leaves_nothing(tmp_path, cluster):
+    with RayLaunch(
+        tmp_path, cluster, script_args=["--steps", "100000", "--step-time", "0.02"]
+    ) as launch:
+        wait_for(lambda: launch.running_at_step(1), launch, 120, "training")
+        launch.proc.send_signal(signal.SIGINT)
+        assert launch.finish(timeout=120) == 130, launch.output()
+        state = launch.state()
+        assert state["exit_code"] == 130 and "SIGINT" in state["reason"]
+        check_after_run(launch)  # STOPPED, no process of the job
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--ray-address", "127.0.0.1:1"], "need --backend ray"),
+        (["--backend", "ray", "--ray-bundle", "[1]"], "--ray-bundle must be a JSON object"),
+        (["--backend", "ray", "--ray-bundle", '{"CPU": 0}'], "--ray-bundle must be"),
+    ],
+)
+def test_bad_ray_flags_are_clear_errors(tmp_path, flags, message):
+    out = subprocess.run(
+        [*RUN, *flags, str(TRAIN)], env=ENV, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 2 and message in out.stderr, out.stderr
