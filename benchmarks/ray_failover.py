@@ -142,8 +142,15 @@ def trial(backend: str, cluster, tmp: Path) -> dict[str, float]:
     job = Job(tmp, flags)
     try:
         job.wait(lambda: job.step() >= 10, 180, "training")
+        def local_pid(pid: int) -> int:
+            if backend == "ray":  # slot-qualified in state.json
+                from inprocess.failover.backends.ray import split_worker_pid
+
+                return split_worker_pid(pid)[1]
+            return pid
+
         worker = job.full_size_after(
-            lambda: os.kill(job.state()["workers"]["1"]["pid"], signal.SIGKILL)
+            lambda: os.kill(local_pid(job.state()["workers"]["1"]["pid"]), signal.SIGKILL)
         )
 
         def node_loss() -> None:
@@ -154,7 +161,7 @@ def trial(backend: str, cluster, tmp: Path) -> dict[str, float]:
             else:
                 workers = job.state()["workers"]
                 for w in ("2", "3"):
-                    os.kill(workers[w]["pid"], signal.SIGKILL)
+                    os.kill(local_pid(workers[w]["pid"]), signal.SIGKILL)
 
         node = job.full_size_after(node_loss)
         return {"worker_loss_s": worker, "node_loss_s": node}

@@ -25,6 +25,8 @@ ray_cluster_utils = pytest.importorskip("ray.cluster_utils")
 
 from test_failover_e2e import ENV, RUN, TRAIN, Launch, check_after_run  # noqa: E402
 
+from inprocess.failover.backends.ray import split_worker_pid  # noqa: E402
+
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.xdist_group("ray")]
 
 
@@ -157,7 +159,10 @@ def test_worker_kill_controller_kill_and_node_loss(tmp_path, cluster):
         wait_for(lambda: launch.running_at_step(10), launch, 150, "training")
         # 1. a worker dies: the survivors go on in-process, its replacement rejoins
         killed_at = time.time()
-        os.kill(launch.state()["workers"]["1"]["pid"], signal.SIGKILL)
+        # state.json has slot-qualified pids (one machine's pids may equal another's)
+        slot, pid = split_worker_pid(launch.state()["workers"]["1"]["pid"])
+        assert slot == launch.state()["node_slots"]["0"]
+        os.kill(pid, signal.SIGKILL)
         wait_for(lambda: launch.full_size_since(killed_at), launch, 90, "full size again")
         # 2. the controller actor's process dies: Ray restarts it, it recovers
         first = int((launch.state_dir / "controller.pid").read_text())
@@ -253,3 +258,14 @@ def test_bad_ray_flags_are_clear_errors(tmp_path, flags, message):
         [*RUN, *flags, str(TRAIN)], env=ENV, capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 2 and message in out.stderr, out.stderr
+
+
+def test_pids_of_different_machines_never_collide():
+    # Containers number their processes from 1: two machines' workers often share a pid.
+    from inprocess.failover.backends.ray import PLACEHOLDER_PID, worker_pid
+
+    a, b = worker_pid(0, 4242), worker_pid(1, 4242)
+    assert a != b
+    assert split_worker_pid(a) == (0, 4242) and split_worker_pid(b) == (1, 4242)
+    assert split_worker_pid(worker_pid(7, PLACEHOLDER_PID + 5)) == (7, PLACEHOLDER_PID + 5)
+    assert split_worker_pid(worker_pid(3, (1 << 22) - 1)) == (3, (1 << 22) - 1)

@@ -23,6 +23,7 @@ loss of the node (a relaunch on a spare slot, not counted as failures).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import shutil
@@ -48,9 +49,25 @@ CALL_TIMEOUT = 30.0
 AGENT_START_TIMEOUT = 60.0
 #: how often the GCS is asked which nodes are dead
 NODE_CHECK_INTERVAL = 1.0
-#: "pids" of workers that could not be started for want of a machine (above any
-#: real pid: Linux's pid_max is at most 2**22)
-PLACEHOLDER_PID = 1 << 30
+#: Linux's pid_max is at most 2**22: a pid fits in this many bits
+PID_BITS = 23
+#: "pids" of workers that could not be started for want of a machine (above any real pid)
+PLACEHOLDER_PID = 1 << 22
+
+
+def worker_pid(slot: int, pid: int) -> int:
+    """The pid by which the controller knows process ``pid`` of node slot ``slot``.
+
+    Processes of different machines may have the same pid (containers number
+    theirs from 1), so the job layer sees a pid qualified by its slot; it is
+    also what ``state.json`` records. :func:`split_worker_pid` reverses it.
+    """
+    return (slot + 1) << PID_BITS | pid
+
+
+def split_worker_pid(qualified: int) -> tuple[int, int]:
+    """``(slot, pid on that slot's machine)`` of a pid from :func:`worker_pid`."""
+    return (qualified >> PID_BITS) - 1, qualified & ((1 << PID_BITS) - 1)
 
 
 def host_name(job_id: str) -> str:
@@ -262,7 +279,8 @@ class RayBackend:
 
     Built by the controller actor (``create_backend("ray", state_dir)``) on the
     driver's node; finds the job's host actor by name, and through it the agents.
-    Methods are called from the controller's thread only.
+    Methods are called from the controller's thread only. The pids it takes and
+    gives are slot-qualified (:func:`worker_pid`); the agents see plain pids.
     """
 
     def __init__(self, state_dir: Path) -> None:
@@ -275,7 +293,7 @@ class RayBackend:
         self.host = ray.get_actor(host_name(self.job_id), namespace=NAMESPACE)
         self._agents: dict[int, Any] = {}
         self._nodes: dict[int, str] = {}  # slot -> Ray node id of its agent
-        self._watched: dict[int, int] = {}  # pid -> slot, of started or attached workers
+        self._watched: set[int] = set()  # qualified pids of started or attached workers
         self._polls: dict[int, Any] = {}  # slot -> the poll call in flight
         self._lost: list[ProcessExit] = []
         self._last_node_check = 0.0
@@ -306,13 +324,6 @@ class RayBackend:
         self._nodes[slot] = where["node_id"]
         return handle
 
-    def _slot_of(self, pid: int) -> int | None:
-        """The slot of the worker recorded (in the job's state) as process ``pid``."""
-        for record in self._states.load().workers.values():
-            if record.pid == pid:
-                return record.slot
-        return None
-
     def _call(self, slot: int, method: str, *args: Any) -> Any:
         return ray.get(getattr(self._agent(slot), method).remote(*args), timeout=CALL_TIMEOUT)
 
@@ -324,9 +335,9 @@ class RayBackend:
         self._polls.pop(slot, None)
         with contextlib.suppress(Exception):
             self.host.forget.remote(slot)
-        for pid, s in list(self._watched.items()):
-            if s == slot:
-                del self._watched[pid]
+        for pid in sorted(self._watched):
+            if split_worker_pid(pid)[0] == slot:
+                self._watched.discard(pid)
                 self._lost.append(ProcessExit(pid, None, None, lost=reason))
 
     def _check_nodes(self) -> None:
@@ -360,42 +371,41 @@ class RayBackend:
             # replace it): a placeholder process, lost at once, so that the
             # policy decides (another relaunch within its limits, or the end).
             self._placeholders += 1
-            pid = PLACEHOLDER_PID + self._placeholders
-            self._watched[pid] = launch.slot
+            pid = worker_pid(launch.slot, PLACEHOLDER_PID + self._placeholders)
             self._lost.append(ProcessExit(pid, None, None, lost=f"node slot {launch.slot}: {ex}"))
-            del self._watched[pid]
             return pid, 0.0
         pid, start_time = ray.get(handle.start.remote(bare, env), timeout=CALL_TIMEOUT)
-        self._watched[pid] = launch.slot
-        return pid, start_time
+        qualified = worker_pid(launch.slot, pid)
+        self._watched.add(qualified)
+        return qualified, start_time
 
     def running(self, pid: int, start_time: float | None) -> bool:
-        slot = self._watched.get(pid)
-        if slot is None:
+        if pid not in self._watched:
             return False
+        slot, local = split_worker_pid(pid)
         try:
-            return bool(self._call(slot, "running", pid, start_time))
+            return bool(self._call(slot, "running", local, start_time))
         except (ray.exceptions.RayError, TimeoutError):
             return False
 
     def attach(self, pid: int, start_time: float) -> bool:
         """Adopts a worker of an earlier controller. One whose agent is gone is adopted
         too, and reported lost with its node by the next :meth:`wait`."""
-        slot = self._slot_of(pid)
-        if slot is None:
+        slot, local = split_worker_pid(pid)
+        if not 0 <= slot < self.num_slots:
             return False
         handle = self._existing_agent(slot)
         if handle is None:
-            self._watched[pid] = slot
+            self._watched.add(pid)
             self._lose(slot, f"the agent of node slot {slot} is gone")
             return True
         try:
-            if ray.get(handle.attach.remote(pid, start_time), timeout=CALL_TIMEOUT):
-                self._watched[pid] = slot
+            if ray.get(handle.attach.remote(local, start_time), timeout=CALL_TIMEOUT):
+                self._watched.add(pid)
                 return True
         except (ray.exceptions.RayError, TimeoutError) as ex:
             if _died(ex):
-                self._watched[pid] = slot
+                self._watched.add(pid)
                 self._lose(slot, f"the agent of node slot {slot} died: {type(ex).__name__}")
                 return True
         return False
@@ -404,7 +414,8 @@ class RayBackend:
         by_slot: dict[int, list[int]] = {}
         for pid in pids:
             if pid in self._watched:
-                by_slot.setdefault(self._watched[pid], []).append(pid)
+                slot, local = split_worker_pid(pid)
+                by_slot.setdefault(slot, []).append(local)
         refs = {}
         for slot, slot_pids in by_slot.items():
             handle = self._agents.get(slot)
@@ -420,7 +431,7 @@ class RayBackend:
         """Polls every agent in use once (one call in flight per agent), up to ``timeout``."""
         deadline = time.monotonic() + timeout
         self._check_nodes()
-        for slot in set(self._watched.values()):
+        for slot in {split_worker_pid(pid)[0] for pid in self._watched}:
             if slot not in self._polls and slot in self._agents:
                 self._polls[slot] = self._agents[slot].poll.remote()
         exits, self._lost = self._lost, []
@@ -440,8 +451,10 @@ class RayBackend:
                         self._lose(slot, f"the agent of node slot {slot} died: {type(ex).__name__}")
                     continue
                 for exit_ in polled:
-                    if self._watched.pop(exit_.pid, None) is not None:
-                        exits.append(exit_)
+                    qualified = dataclasses.replace(exit_, pid=worker_pid(slot, exit_.pid))
+                    if qualified.pid in self._watched:
+                        self._watched.discard(qualified.pid)
+                        exits.append(qualified)
             exits += self._lost
             self._lost = []
         if not exits:
@@ -449,13 +462,13 @@ class RayBackend:
         return exits
 
     def exit_of(self, pid: int) -> ProcessExit:
-        slot = self._slot_of(pid)
-        handle = self._existing_agent(slot) if slot is not None else None
+        slot, local = split_worker_pid(pid)
+        handle = self._existing_agent(slot) if 0 <= slot < self.num_slots else None
         if handle is not None:
             with contextlib.suppress(ray.exceptions.RayError, TimeoutError):
-                found = ray.get(handle.exit_of.remote(pid), timeout=CALL_TIMEOUT)
+                found = ray.get(handle.exit_of.remote(local), timeout=CALL_TIMEOUT)
                 if found is not None:
-                    return found
+                    return dataclasses.replace(found, pid=pid)
         return ProcessExit(pid, None, None)
 
     def record_exit(self, pid: int, status: int) -> None:
