@@ -31,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from inprocess.tools.ray_cluster import cluster_node
+
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = REPO / "examples" / "train.py"
 ENV = dict(
@@ -124,17 +126,6 @@ class Job:
         self.log.close()
 
 
-def _node_of(cluster, where: dict):
-    """The ``cluster_utils`` node an agent ran on (by node id; Ray < 2.2x: by raylet pid)."""
-    for n in cluster.worker_nodes:
-        if getattr(n, "node_id", None) == where["node_id"]:
-            return n
-    for n in cluster.worker_nodes:
-        if n.all_processes["raylet"][0].process.pid == where["raylet_pid"]:
-            return n
-    raise LookupError(f"no node of the cluster runs {where}")
-
-
 def trial(backend: str, cluster, tmp: Path) -> dict[str, float]:
     flags = ["--backend", backend]
     if backend == "ray":
@@ -156,7 +147,7 @@ def trial(backend: str, cluster, tmp: Path) -> dict[str, float]:
         def node_loss() -> None:
             if backend == "ray":
                 nodes = json.loads((job.state_dir / "ray_nodes.json").read_text())
-                victim = _node_of(cluster, nodes[str(job.state()["node_slots"]["1"])])
+                victim = cluster_node(cluster, nodes[str(job.state()["node_slots"]["1"])])
                 cluster.remove_node(victim)
             else:
                 workers = job.state()["workers"]

@@ -438,6 +438,28 @@ class StoreMixin:
                 f"({self.counter(f'{name}/count')}/{count} arrived)"
             ) from ex
 
+    def all_gather_lines(
+        self,
+        prefix: str,
+        identity: str,
+        line: str,
+        count: int,
+        timeout: datetime.timedelta,
+        poll_limit: float,
+    ) -> list[str]:
+        """Every participant's ``line`` (one line, no newline), once all ``count`` gave theirs.
+
+        Lines come in arrival order. Used by rank assignments that exchange
+        rank-local facts (group keys, topology).
+        """
+        if "\n" in line:
+            raise ValueError(f"all_gather_lines: the line of {identity!r} spans lines: {line!r}")
+        self.append(f"{prefix}/lines", line + "\n")
+        self.counted_barrier(f"{prefix}/barrier", identity, count, timeout, poll_limit)
+        raw = self.get(f"{prefix}/lines")
+        text = raw.decode() if isinstance(raw, bytes) else raw
+        return [entry for entry in text.split("\n") if entry]
+
     def wait_for_key(
         self,
         key: str,

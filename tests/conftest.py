@@ -82,3 +82,16 @@ def _describe(fd: int) -> str | None:
         return os.readlink(f"/proc/self/fd/{fd}")
     except OSError:
         return None
+
+
+@pytest.fixture
+def single_rank(monkeypatch):
+    """This process as rank 0 of a one-rank job on a free port (returned)."""
+    from launcher import free_port
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    port = free_port()
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    return port

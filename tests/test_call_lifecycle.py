@@ -15,7 +15,7 @@ import threading
 
 import psutil
 import pytest
-from launcher import free_port, run_job
+from launcher import run_job
 
 import inprocess
 from inprocess.store import StoreMixin
@@ -74,16 +74,6 @@ def _listening(port: int) -> bool:
         c.laddr.port == port and c.status == "LISTEN"
         for c in psutil.Process().net_connections("tcp")
     )
-
-
-@pytest.fixture
-def single_rank(monkeypatch):
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    port = free_port()
-    monkeypatch.setenv("MASTER_PORT", str(port))
-    return port
 
 
 @pytest.fixture(params=["forked", "spawned"])

@@ -214,6 +214,20 @@ def test_failing_node_is_relaunched_on_a_spare_slot(tmp_path):
         assert state["worker_restarts"]["2"] == 3
 
 
+def always_crashing(crash_step: int) -> list[str]:
+    """``examples/train.py`` arguments: worker 1 crashes at every start, training never ends."""
+    return [
+        "--steps",
+        "100000",
+        "--crash-rank",
+        "1",
+        "--crash-times",
+        "1000",
+        "--crash-step",
+        str(crash_step),
+    ]
+
+
 @pytest.mark.timeout(240)
 def test_worker_that_always_crashes_stops_the_job(tmp_path):
     start = time.monotonic()
@@ -221,16 +235,7 @@ def test_worker_that_always_crashes_stops_the_job(tmp_path):
         tmp_path,
         "--max-restarts",
         "2",
-        script_args=[
-            "--steps",
-            "100000",
-            "--crash-rank",
-            "1",
-            "--crash-times",
-            "1000",
-            "--crash-step",
-            "2",
-        ],
+        script_args=always_crashing(crash_step=2),
     ) as launch:
         code = launch.finish(timeout=200)
         assert code != 0

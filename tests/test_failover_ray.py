@@ -20,10 +20,18 @@ import psutil
 import pytest
 
 from inprocess.failover.supervisor import job_processes
+from inprocess.tools.ray_cluster import cluster_node
 
 ray_cluster_utils = pytest.importorskip("ray.cluster_utils")
 
-from test_failover_e2e import ENV, RUN, TRAIN, Launch, check_after_run  # noqa: E402
+from test_failover_e2e import (  # noqa: E402
+    ENV,
+    RUN,
+    TRAIN,
+    Launch,
+    always_crashing,
+    check_after_run,
+)
 
 from inprocess.failover.backends.ray import split_worker_pid  # noqa: E402
 
@@ -108,17 +116,6 @@ def no_leaks():
     assert not leaked, f"leaked file descriptors: {leaked}"
 
 
-def _node_of(cluster, where: dict):
-    """The ``cluster_utils`` node an agent ran on (by node id; Ray < 2.2x: by raylet pid)."""
-    for n in cluster.worker_nodes:
-        if getattr(n, "node_id", None) == where["node_id"]:
-            return n
-    for n in cluster.worker_nodes:
-        if n.all_processes["raylet"][0].process.pid == where["raylet_pid"]:
-            return n
-    raise LookupError(f"no node of the cluster runs {where}")
-
-
 class RayLaunch(Launch):
     """A job of 2 nodes x 2 workers on the module's Ray cluster."""
 
@@ -182,7 +179,7 @@ def test_worker_kill_controller_kill_and_node_loss(tmp_path, cluster):
         step = json.loads((launch.out / "checkpoint.json").read_text())["step"]
         wait_for(lambda: launch.running_at_step(step + 20), launch, 60, "progress")
         # 3. the Ray node of job node 1 (workers 2, 3) goes away
-        victim = _node_of(cluster, launch.nodes()[str(launch.state()["node_slots"]["1"])])
+        victim = cluster_node(cluster, launch.nodes()[str(launch.state()["node_slots"]["1"])])
         lost_at = time.time()
         cluster.remove_node(victim)
         wait_for(lambda: launch.full_size_since(lost_at), launch, 120, "full size after loss")
@@ -211,16 +208,7 @@ def test_worker_that_always_crashes_stops_the_job(tmp_path, cluster):
         "2",
         "--nnodes",  # one node is enough here
         "1",
-        script_args=[
-            "--steps",
-            "100000",
-            "--crash-rank",
-            "1",
-            "--crash-times",
-            "1000",
-            "--crash-step",
-            "1",
-        ],
+        script_args=always_crashing(crash_step=1),
     ) as launch:
         code = launch.finish(timeout=200)
         assert code != 0, launch.output()

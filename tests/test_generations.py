@@ -17,7 +17,7 @@ import time
 
 import pytest
 import torch.distributed as dist
-from launcher import Job, free_port
+from launcher import Job
 
 import inprocess
 from inprocess.generation import Generation, generation_of
@@ -207,14 +207,6 @@ def test_filter_count_grouped_by_key_keys_come_from_the_state():
 
 
 # ---------------------------------------------------------------------- in this process
-
-
-@pytest.fixture
-def single_rank(monkeypatch):
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
 
 
 FAST = dict(

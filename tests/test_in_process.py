@@ -7,21 +7,12 @@ import logging
 import socket
 
 import pytest
-from launcher import free_port
 
 import inprocess
 from inprocess.exception import StoreError
 
 ms = datetime.timedelta(milliseconds=1)
 s = datetime.timedelta(seconds=1)
-
-
-@pytest.fixture
-def single_rank(monkeypatch):
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
 
 
 @pytest.mark.timeout(120)

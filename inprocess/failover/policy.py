@@ -366,6 +366,16 @@ def _mark_running_as_stopping(state: JobState, workers: Collection[int] | None =
             record.status = WorkerStatus.STOPPING
 
 
+def _no_cold_restart_left(new: JobState, spec: JobSpec, what: str, now: float) -> Decision:
+    """The job fails: ``what`` happened and every cold restart is used."""
+    return _stop(
+        new,
+        FAILURE_EXIT_CODE,
+        f"{what}; no cold restart left: job_max_restarts={spec.job_max_restarts} used",
+        now,
+    )
+
+
 def _stop(state: JobState, exit_code: int, reason: str, now: float) -> Decision:
     """Move ``state`` (already a copy) to STOPPING with the job's result."""
     state.stage = Stage.STOPPING
@@ -631,12 +641,7 @@ def _node_lost(state: JobState, event: NodeLost, now: float) -> Decision:
         _mark_running_as_stopping(new, set(workers))
         return Decision(new, [RelaunchNode(event.node, from_slot, to_slot, workers)])
     if new.job_restarts >= spec.job_max_restarts:
-        return _stop(
-            new,
-            FAILURE_EXIT_CODE,
-            f"{what}; no cold restart left: job_max_restarts={spec.job_max_restarts} used",
-            now,
-        )
+        return _no_cold_restart_left(new, spec, what, now)
     from_slot, to_slot = _move_node(new, event.node, now)
     return _restart_job(new, f"{what}; moved from slot {from_slot} to slot {to_slot}", now)
 
@@ -764,12 +769,7 @@ def handle_event(state: JobState, event: Event, *, now: float) -> Decision:
 
     # 6d
     if new.job_restarts >= spec.job_max_restarts:
-        return _stop(
-            new,
-            FAILURE_EXIT_CODE,
-            f"{what}; no cold restart left: job_max_restarts={spec.job_max_restarts} used",
-            now,
-        )
+        return _no_cold_restart_left(new, spec, what, now)
     reason = what
     if relaunch_node:
         from_slot, to_slot = _move_node(new, node, now)

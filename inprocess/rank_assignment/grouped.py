@@ -120,17 +120,17 @@ class FilterGroupedByKey(RankAssignment):
 
         key = self._key(state)
         prefix = f"inprocess/filter_grouped_by_key/{self.name}"
-        # One "rank=key" line per rank; keys are single-line, and the rank has no "=".
-        store.append(f"{prefix}/keys", f"{state.rank}={key}\n")
         count = state.world_size - len(terminated)
-        store.counted_barrier(
-            f"{prefix}/barrier",
+        # One "rank=key" line per rank; keys are single-line, and the rank has no "=".
+        lines = store.all_gather_lines(
+            prefix,
             str(state.rank),
+            f"{state.rank}={key}",
             count,
             self.timeout,
             self.poll_limit(count),
         )
-        keys = self._read_keys(store, f"{prefix}/keys")
+        keys = self._parse_keys(lines)
         if len(keys) != count or not terminated.isdisjoint(keys):
             raise InternalError(
                 f"FilterGroupedByKey {self.name}: got keys of {len(keys)} ranks, expected the "
@@ -150,11 +150,9 @@ class FilterGroupedByKey(RankAssignment):
         return state, terminated | dropped
 
     @staticmethod
-    def _read_keys(store: StoreMixin, list_key: str) -> dict[int, str]:
-        raw = store.get(list_key)
-        text = raw.decode() if isinstance(raw, bytes) else raw
+    def _parse_keys(lines: list[str]) -> dict[int, str]:
         keys: dict[int, str] = {}
-        for line in text.split("\n"):
+        for line in lines:
             rank, sep, key = line.partition("=")
             if sep:
                 keys[int(rank)] = key

@@ -748,18 +748,12 @@ class Tree(RankAssignment):
         keys = [layer.key(state) for layer in self.layers]
         prefix = "inprocess/tree"
         record = json.dumps([state.rank, state.initial_rank, keys])  # one line
-        store.append(f"{prefix}/keys", record + "\n")
         count = state.world_size - len(terminated)
-        store.counted_barrier(
-            f"{prefix}/barrier",
-            str(state.rank),
-            count,
-            self.timeout,
+        lines = store.all_gather_lines(
+            prefix, str(state.rank), record, count, self.timeout,
             min(0.05, max(0.005, count * 5e-6)),
         )
-        raw = store.get(f"{prefix}/keys")
-        text = raw.decode() if isinstance(raw, bytes) else raw
-        records = sorted(json.loads(line) for line in text.split("\n") if line)
+        records = sorted(json.loads(line) for line in lines)
         ranks = [r[0] for r in records]
         expected = sorted(set(range(state.world_size)) - terminated)
         if ranks != expected:
