@@ -115,8 +115,8 @@ class Launch:
         return Path(self.log.name).read_text(errors="replace")[-8000:]
 
 
-def check_clean_success(launch: Launch, steps: int) -> None:
-    code = launch.finish()
+def check_clean_success(launch: Launch, steps: int, timeout: float = 180.0) -> None:
+    code = launch.finish(timeout)
     assert code == 0, launch.output()
     finishes = [e for e in launch.events() if e["kind"] == "finish"]
     assert sorted(e["rank"] for e in finishes) == [0, 1, 2, 3], launch.output()

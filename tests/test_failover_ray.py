@@ -31,6 +31,7 @@ from test_failover_e2e import (  # noqa: E402
     Launch,
     always_crashing,
     check_after_run,
+    check_clean_success,
 )
 
 from inprocess.failover.backends.ray import split_worker_pid  # noqa: E402
@@ -183,13 +184,7 @@ def test_worker_kill_controller_kill_and_node_loss(tmp_path, cluster):
         lost_at = time.time()
         cluster.remove_node(victim)
         wait_for(lambda: launch.full_size_since(lost_at), launch, 120, "full size after loss")
-        code = launch.finish(timeout=240)
-        assert code == 0, launch.output()
-        finishes = [e for e in launch.events() if e["kind"] == "finish"]
-        assert sorted(e["rank"] for e in finishes) == [0, 1, 2, 3], launch.output()
-        for e in finishes:
-            assert e["result"] == {"step": steps, "w": float(steps), "world": 4}
-        check_after_run(launch)
+        check_clean_success(launch, steps, timeout=240)
         state = launch.state()
         assert state["worker_restarts"]["1"] == 1
         assert state["node_relaunches"] == 1
