@@ -24,14 +24,11 @@ def torchrun() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "torch.distributed.run"]
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("nproc", [2, 4])
-@pytest.mark.parametrize("store_port", ["MASTER_PORT", "MASTER_PORT+2"])
-def test_torchrun_runs_the_guide_script(tmp_path, nproc, store_port):
-    """torchrun's agent hosts the store at MASTER_PORT only: the Wrapper's store
-    there is a client of it; at another port initial rank 0 hosts it. Both run,
-    and restart after a fault."""
+def run_torchrun(
+    tmp_path: Path, script: str, nproc: int, extra_env: dict[str, str] | None = None
+) -> tuple[subprocess.CompletedProcess[str], list]:
+    """Runs ``tests/workers/<script>`` under a real torchrun; returns the run and
+    whatever of it was still alive 15 s after torchrun ended (then killed)."""
     port = free_port()
     marker = os.urandom(8).hex()
     env = dict(os.environ)
@@ -41,17 +38,16 @@ def test_torchrun_runs_the_guide_script(tmp_path, nproc, store_port):
         PYTHONWARNINGS="ignore:Failed to initialize NumPy",
         RES_OPTIONS="timeout:1 attempts:1",
         OMP_NUM_THREADS="1",
+        **(extra_env or {}),
     )
     env[MARKER] = marker
-    if store_port == "MASTER_PORT+2":
-        env["TEST_STORE_PORT_OFFSET"] = "2"
     command = [
         *torchrun(),
         "--nproc-per-node",
         str(nproc),
         "--master-port",
         str(port),
-        str(WORKERS / "guide_train.py"),
+        str(WORKERS / script),
     ]
     try:
         run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
@@ -61,10 +57,36 @@ def test_torchrun_runs_the_guide_script(tmp_path, nproc, store_port):
             time.sleep(0.1)
         for proc in leftovers:
             proc.kill()
+    return run, leftovers
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("nproc", [2, 4])
+@pytest.mark.parametrize("store_port", ["MASTER_PORT", "MASTER_PORT+2"])
+def test_torchrun_runs_the_guide_script(tmp_path, nproc, store_port):
+    """torchrun's agent hosts the store at MASTER_PORT only: the Wrapper's store
+    there is a client of it; at another port initial rank 0 hosts it. Both run,
+    and restart after a fault."""
+    extra = {"TEST_STORE_PORT_OFFSET": "2"} if store_port == "MASTER_PORT+2" else {}
+    run, leftovers = run_torchrun(tmp_path, "guide_train.py", nproc, extra)
     assert run.returncode == 0, run.stdout[-5000:] + run.stderr[-10000:]
     for rank in range(nproc):
         results = json.loads((tmp_path / f"report{rank}.json").read_text())
         assert results == [{"iteration": 1, "sum": nproc * nproc}]
+    assert not leftovers, f"processes left behind: {leftovers}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_torchrun_runs_a_newer_generation_script(tmp_path):
+    """A script in the newer generation's style (frozen-state callbacks, ctx rank
+    assignment, hang protection off around a step) under a real torchrun: four
+    injected faults, four in-process restarts, every rank finishes."""
+    run, leftovers = run_torchrun(tmp_path, "newer_train.py", 4)
+    assert run.returncode == 0, run.stdout[-5000:] + run.stderr[-10000:]
+    finished = [json.loads((tmp_path / f"report{rank}.json").read_text()) for rank in range(4)]
+    assert finished == [4] * 4, finished
     assert not leftovers, f"processes left behind: {leftovers}"
 
 
