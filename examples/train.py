@@ -44,6 +44,12 @@ parser.add_argument(
     "--crash-step", type=int, default=3, help="steps after its start before it crashes"
 )
 parser.add_argument("--seed", type=int, default=0)
+parser.add_argument(
+    "--stop-file",
+    type=Path,
+    default=None,
+    help="end training early, every rank at the same step, once this file exists",
+)
 args = parser.parse_args()
 
 RANK = int(os.environ["RANK"])
@@ -58,6 +64,10 @@ logging.basicConfig(
 def crashes_so_far() -> int:
     path = args.result_dir / f"crashes{RANK}"
     return int(path.read_text()) if path.exists() else 0
+
+
+def stop_requested() -> bool:
+    return args.stop_file is not None and args.stop_file.exists()
 
 
 ms = datetime.timedelta(milliseconds=1)
@@ -98,14 +108,18 @@ def train(call_wrapper: inprocess.CallWrapper | None = None) -> dict[str, object
             JOB.record("fault", fault="crash", step=step)
             os._exit(3)
         time.sleep(args.step_time)  # the "forward and backward pass"
-        grad = torch.ones(1)
+        # the gradient, and rank 0's "stop now" riding on the same all-reduce so
+        # that every rank ends at the same step
+        grad = torch.tensor([1.0, float(rank == 0 and stop_requested())])
         dist.all_reduce(grad)
-        w += grad.item() / world
+        w += grad[0].item() / world
         step += 1
         with call_wrapper.atomic():
             if rank == 0:
                 JOB.save_checkpoint(step, w)
         call_wrapper.ping()
+        if grad[1].item():
+            break
     dist.destroy_process_group()
     return {"step": step, "w": w, "world": world}
 

@@ -24,17 +24,17 @@ sys.modules.setdefault("chaos_soak", chaos)
 _spec.loader.exec_module(chaos)
 
 
-@pytest.mark.timeout(900)
-def test_chaos(tmp_path):
-    # Seeds chosen to cover every target (worker, controller, store) and every
-    # kind of fault between them; a few runs of ~30 s each on an idle machine.
-    results = []
-    for seed in (0, 4, 15):
-        result = chaos.run_one(seed, tmp_path / f"seed{seed}", faults=3, steps=300, deadline=360)
-        results.append(result)
-        print(result.summary())
-    broken = [r.summary() for r in results if not r.ok]
-    assert not broken, "\n".join(broken)
-    # the runs did inject faults, and at least one completed despite them
-    assert all(r.faults for r in results)
-    assert any(r.exit_code == 0 for r in results)
+# Seeds chosen to cover every target (worker, controller, store) and every kind
+# of fault between them; one run of ~30 s each on an idle machine. One test per
+# seed so that the runs spread over the suite's workers.
+SEEDS = (0, 4, 15)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("seed", SEEDS)
+def test_chaos(tmp_path, seed):
+    result = chaos.run_one(seed, tmp_path, faults=3, steps=300, deadline=360)
+    print(result.summary())
+    assert result.ok, result.summary()
+    assert result.faults, "the run injected no fault"
+

@@ -35,6 +35,10 @@ class Launch:
     def __init__(self, tmp: Path, *flags: str, script: Path = TRAIN, script_args=()):
         self.state_dir = tmp / "state"
         self.out = tmp / "out"
+        # examples/train.py ends at the next step, on every rank, once this file exists
+        self.stop_file = tmp / "stop"
+        if script == TRAIN:
+            script_args = ["--stop-file", str(self.stop_file), *script_args]
         self.job_id = f"test-{os.getpid()}-{time.monotonic_ns()}"
         self.log = open(tmp / "launcher.log", "wb")
         self.proc = subprocess.Popen(
@@ -98,6 +102,19 @@ class Launch:
         starts = [e for e in self.events() if e["kind"] == "start" and e["time"] > since]
         return len({e["rank"] for e in starts if e["world"] == 4}) == 4
 
+    def stop(self) -> None:
+        """Asks the training to end (at the same step on every rank)."""
+        self.stop_file.touch()
+
+    def step(self) -> int:
+        try:
+            return json.loads((self.out / "checkpoint.json").read_text())["step"]
+        except (FileNotFoundError, json.JSONDecodeError):
+            return 0
+
+    def faults(self) -> list[dict]:
+        return [e for e in self.events() if e["kind"] == "fault"]
+
     def running_at_step(self, step: int) -> bool:
         try:
             return json.loads((self.out / "checkpoint.json").read_text())["step"] >= step
@@ -115,14 +132,30 @@ class Launch:
         return Path(self.log.name).read_text(errors="replace")[-8000:]
 
 
-def check_clean_success(launch: Launch, steps: int, timeout: float = 180.0) -> None:
+def check_clean_success(launch: Launch, steps: int | None, timeout: float = 180.0) -> None:
+    """Exit 0, every rank finished at full size with every step applied exactly once.
+
+    ``steps=None``: the job was stopped early (:meth:`Launch.stop`); the ranks agree
+    on the step they ended at.
+    """
     code = launch.finish(timeout)
     assert code == 0, launch.output()
     finishes = [e for e in launch.events() if e["kind"] == "finish"]
     assert sorted(e["rank"] for e in finishes) == [0, 1, 2, 3], launch.output()
+    if steps is None:
+        steps = finishes[0]["result"]["step"]
     for e in finishes:
         assert e["result"] == {"step": steps, "w": float(steps), "world": 4}
     check_after_run(launch)
+
+
+def train_at_full_size_then_stop(launch: Launch, since: float, steps: int = 10) -> None:
+    """Waits for all four ranks back at full size after ``since``, a few steps there, then stops."""
+    launch.wait_until(lambda: launch.full_size_since(since), what="full size again")
+    at = launch.step()
+    launch.wait_until(lambda: launch.running_at_step(at + steps), what="training at full size")
+    launch.stop()
+    check_clean_success(launch, None)
 
 
 def check_after_run(launch: Launch) -> None:
@@ -137,14 +170,12 @@ def check_after_run(launch: Launch) -> None:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("victim", [1, 0])
 def test_worker_sigkill_relaunch_and_rejoin(tmp_path, victim):
-    steps = 400
-    with Launch(tmp_path, script_args=["--steps", str(steps), "--step-time", "0.03"]) as launch:
+    with Launch(tmp_path, script_args=["--steps", "100000", "--step-time", "0.03"]) as launch:
         launch.wait_until(lambda: launch.running_at_step(20), what="training")
         killed_at = time.time()
         os.kill(launch.state()["workers"][str(victim)]["pid"], signal.SIGKILL)
         # survivors go on in-process at world size 3, then the relaunched worker rejoins
-        launch.wait_until(lambda: launch.full_size_since(killed_at), what="full size again")
-        check_clean_success(launch, steps)
+        train_at_full_size_then_stop(launch, killed_at)
         events = launch.events()
         assert any(e["kind"] == "start" and e["world"] == 3 for e in events)
         survivors = {r for r in range(4) if r != victim}
@@ -158,8 +189,7 @@ def test_worker_sigkill_relaunch_and_rejoin(tmp_path, victim):
 
 @pytest.mark.timeout(240)
 def test_controller_sigkill_is_recovered(tmp_path):
-    steps = 600  # long enough for a relaunched worker to rejoin after the recovery
-    with Launch(tmp_path, script_args=["--steps", str(steps), "--step-time", "0.03"]) as launch:
+    with Launch(tmp_path, script_args=["--steps", "100000", "--step-time", "0.03"]) as launch:
         launch.wait_until(lambda: launch.running_at_step(20), what="training")
         first = int((launch.state_dir / "controller.pid").read_text())
         os.kill(first, signal.SIGKILL)
@@ -171,8 +201,7 @@ def test_controller_sigkill_is_recovered(tmp_path):
         time.sleep(1)
         killed_at = time.time()
         os.kill(launch.state()["workers"]["3"]["pid"], signal.SIGKILL)
-        launch.wait_until(lambda: launch.full_size_since(killed_at), what="full size again")
-        check_clean_success(launch, steps)
+        train_at_full_size_then_stop(launch, killed_at)
         state = launch.state()
         assert any(e["kind"] == "recover" for e in state["events"])
         # the lost worker's exit status was known although another controller started it
@@ -181,9 +210,6 @@ def test_controller_sigkill_is_recovered(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_failing_node_is_relaunched_on_a_spare_slot(tmp_path):
-    # Long enough for three relaunches of the crashing worker (each a new
-    # process importing torch) to rejoin on a loaded machine before the end.
-    steps = 700
     with Launch(
         tmp_path,
         "--per-node-max-failures",
@@ -192,7 +218,7 @@ def test_failing_node_is_relaunched_on_a_spare_slot(tmp_path):
         "1",
         script_args=[
             "--steps",
-            str(steps),
+            "100000",
             "--step-time",
             "0.03",
             "--crash-rank",
@@ -203,7 +229,8 @@ def test_failing_node_is_relaunched_on_a_spare_slot(tmp_path):
             "5",
         ],
     ) as launch:
-        check_clean_success(launch, steps)
+        launch.wait_until(lambda: len(launch.faults()) == 3, timeout=180, what="three crashes")
+        train_at_full_size_then_stop(launch, launch.faults()[-1]["time"])
         state = launch.state()
         assert state["node_relaunches"] == 1
         assert state["node_slots"]["1"] == 2  # node 1 (workers 2, 3) moved to the spare slot
