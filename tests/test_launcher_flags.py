@@ -186,7 +186,9 @@ def test_status_line_on_a_terminal_not_in_a_pipe(tmp_path: Path) -> None:
     assert "\x1b[24;1H\x1b[2K" in text  # the status line drawn in the last row
     assert "gen 0 | world 1/1 | alive 1/1 | restarts 1" in text
     assert "last fault: rank 1 exception: ValueError: boom, recovered in 0.50s" in text
-    assert text.rindex("\x1b[r") > text.rindex("restarts 1")  # the terminal is given back
+    given_back = text[text.rindex("\x1b[r") :]  # the region reset, the status row cleared
+    assert given_back.startswith("\x1b[r\x1b8\x1b7\x1b[24;1H\x1b[2K\x1b8")
+    assert "restarts 1" in given_back  # the last status stays as an ordinary line
     assert "worker done" in text
     # In a pipe: plain log lines, no escape sequences.
     result = subprocess.run(

@@ -329,7 +329,11 @@ class StatusLine:
         _write_all(self.fd, f"\0337\033[{self.rows};1H\033[2K{text}\0338".encode())
 
     def close(self) -> None:
+        """Gives the whole terminal back; the last status stays, as an ordinary line."""
+        text = self._text
         self._release()
+        if text:
+            _write_all(self.fd, f"{text}\n".encode())
 
 
 class Console:
