@@ -311,8 +311,8 @@ def main(argv: list[str] | None = None) -> int:
 _TORCHRUN_ONLY: list[tuple[tuple[str, ...], str]] = [
     (
         ("--rdzv-backend", "--rdzv_backend"),
-        "inprocess-run has no rendezvous: its controller starts every worker and hosts "
-        "the job's store; drop it (--standalone is accepted)",
+        "there is no rendezvous: the controller starts every worker and hosts the "
+        "job's store; drop it (--standalone is accepted)",
     ),
     (
         ("--rdzv-endpoint", "--rdzv_endpoint"),
@@ -348,7 +348,7 @@ class _Unsupported(argparse.Action):
         super().__init__(option_strings, dest, **kwargs)  # type: ignore[arg-type]
 
     def __call__(self, parser: argparse.ArgumentParser, *args: object) -> None:
-        raise argparse.ArgumentError(self, f"not supported by inprocess-run: {self.advice}")
+        raise argparse.ArgumentError(self, f"not an inprocess-run flag: {self.advice}")
 
 
 def _nnodes(text: str) -> int:
