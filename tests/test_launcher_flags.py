@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import re
 import select
 import struct
 import subprocess
@@ -30,24 +31,41 @@ ENV = dict(
     PYTHONWARNINGS="ignore:Failed to initialize NumPy",
 )
 
+#: appends a restart record (as the Wrapper writes them) to the job's state dir
+#: (``TEST_STATE_DIR``), with a torn line after it, then lives ``TEST_LINGER`` seconds
+#: (long enough for a few redraws of the status line)
+RECORD = """\
+import json, os, time
+if os.environ.get("TEST_STATE_DIR") and os.environ["RANK"] == "0":
+    record = {"type": "restart", "time": time.time(), "iteration": 7, "world_size": 1,
+              "faults": [{"rank": 1, "initial_rank": 1, "cause": "exception",
+                          "detail": "ValueError: boom"}],
+              "terminated": [1], "activated": [], "phases": {}, "latency": 0.5}
+    with open(os.path.join(os.environ["TEST_STATE_DIR"], "restarts.jsonl"), "a") as f:
+        f.write(json.dumps(record) + "\\n" + '{"type": "restart", "torn')
+time.sleep(float(os.environ.get("TEST_LINGER", 0)))
+"""
+
 #: prints one line to stdout and one to stderr, naming its rank and what it was given
 HELLO = """\
 import os, sys
 rank = os.environ["RANK"]
 print(f"out rank {rank} port {os.environ['MASTER_PORT']} args {sys.argv[1:]}")
 print(f"err rank {rank}", file=sys.stderr)
-"""
+""" + RECORD
 
 
-def launch(tmp: Path, *flags: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
+def launch(
+    tmp: Path, *flags: str, env: dict[str, str] = ENV
+) -> subprocess.CompletedProcess[str]:
     """Runs one job to its end; its stdout and stderr as text."""
     return subprocess.run(
         [*RUN, "--state-dir", str(tmp / "state"), "--monitor-interval", "0.05", *flags],
         cwd=tmp,
-        env=ENV,
+        env=env,
         capture_output=True,
         text=True,
-        timeout=timeout,
+        timeout=90,
     )
 
 
@@ -65,9 +83,16 @@ def test_module_log_files_tee_and_rank_filter(tmp_path: Path) -> None:
         "--nproc-per-node", "3", "--master-port", str(port), "--log-dir", "logs",
         "--redirects", "0:1", "--tee", "1:3", "--local-ranks-filter", "0,1",
         "-m", "pkg.hello", "a", "--b",
+        env=dict(ENV, TEST_STATE_DIR=str(tmp_path / "state")),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     out, err = result.stdout, result.stderr
+    # In a pipe: no status line, a plain log line for the restart record instead.
+    assert "\x1b[" not in out + err
+    assert (
+        "in-process restart at iteration 7 (world size 1): rank 1 exception: ValueError: boom; "
+        "recovered in 0.50s"
+    ) in err
     # rank 0: stdout in its file only, stderr on the console as it is
     [run_dir] = (tmp_path / "logs").iterdir()
     assert run_dir.name.startswith("job-")  # <job id>_<random>, as torchrun's <run id>_<random>
@@ -140,38 +165,21 @@ def test_bad_launch_flags(flags, says, tmp_path, capsys) -> None:
     assert says in err or (flags[0] == "--backend" and "needs Ray" in err), err
 
 
-#: appends a restart record (as the Wrapper writes them) to the job's state dir, then
-#: lives long enough for a few redraws of the status line
-RECORD = """\
-import json, os, sys, time
-record = {"type": "restart", "time": time.time(), "iteration": 7, "world_size": 1,
-          "faults": [{"rank": 1, "initial_rank": 1, "cause": "exception",
-                      "detail": "ValueError: boom"}],
-          "terminated": [1], "activated": [], "phases": {}, "latency": 0.5}
-with open(os.path.join(sys.argv[1], "restarts.jsonl"), "a") as f:
-    f.write(json.dumps(record) + "\\n" + '{"type": "restart", "torn')
-print("worker done")
-time.sleep(1.5)
-"""
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_status_line_on_a_terminal_not_in_a_pipe(tmp_path: Path) -> None:
     script = tmp_path / "record.py"
-    script.write_text(RECORD)
-
-    def job(state: Path, *flags: str) -> list[str]:
-        return [*RUN, *flags, "--state-dir", str(state), "--monitor-interval", "0.05",
-                str(script), str(state)]  # fmt: skip
+    script.write_text(RECORD + "print('worker done')\n")
+    state = tmp_path / "state"
 
     # On a pseudo-terminal: one status line in the bottom row, released at the end.
     master, slave = os.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 200, 0, 0))
     try:
         proc = subprocess.Popen(
-            job(tmp_path / "tty"), stdin=subprocess.DEVNULL, stdout=slave, stderr=slave,
-            env=dict(ENV, TERM="xterm"), cwd=tmp_path,
+            [*RUN, "--state-dir", str(state), "--monitor-interval", "0.05", str(script)],
+            stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, cwd=tmp_path,
+            env=dict(ENV, TERM="xterm", TEST_STATE_DIR=str(state), TEST_LINGER="2"),
         )  # fmt: skip
         os.close(slave)
         slave = -1
@@ -184,20 +192,13 @@ def test_status_line_on_a_terminal_not_in_a_pipe(tmp_path: Path) -> None:
     text = screen.decode(errors="replace")
     assert "\x1b[1;23r" in text  # the scroll region: every row but the last
     assert "\x1b[24;1H\x1b[2K" in text  # the status line drawn in the last row
-    assert "gen 0 | world 1/1 | alive 1/1 | restarts 1" in text
+    assert "| restarts 0 |" in text  # before the record
+    assert re.search(r"gen 0 \| world 1/1 \| alive [01]/1 \| restarts 1 \|", text)
     assert "last fault: rank 1 exception: ValueError: boom, recovered in 0.50s" in text
     given_back = text[text.rindex("\x1b[r") :]  # the region reset, the status row cleared
     assert given_back.startswith("\x1b[r\x1b8\x1b7\x1b[24;1H\x1b[2K\x1b8")
     assert "restarts 1" in given_back  # the last status stays as an ordinary line
     assert "worker done" in text
-    # In a pipe: plain log lines, no escape sequences.
-    result = subprocess.run(
-        job(tmp_path / "pipe"), env=ENV, cwd=tmp_path, capture_output=True, text=True, timeout=90
-    )
-    assert result.returncode == 0, result.stderr
-    assert "\x1b[" not in result.stderr + result.stdout
-    assert "in-process restart at iteration 7 (world size 1): rank 1 exception" in result.stderr
-    assert "recovered in 0.50s" in result.stderr
 
 
 def _read_until_closed(master: int, proc: subprocess.Popen, timeout: float) -> bytes:
