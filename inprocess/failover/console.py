@@ -56,7 +56,8 @@ def worker_output(
     A stream is written to its log file when redirected or tee'd; else, to the
     console (``None``: inherited) when its local rank passes
     ``--local-ranks-filter``, or nowhere (``os.devnull``). With a log dir, the
-    worker also gets ``TORCHELASTIC_ERROR_FILE`` (torchrun's ``error.json``);
+    worker's directory is created and the worker gets
+    ``TORCHELASTIC_ERROR_FILE`` (torchrun's ``error.json``);
     a Python worker writing to a file gets ``PYTHONUNBUFFERED=1`` (unless set),
     so that what it printed is in the file when it dies and tee'd lines show
     at once.
@@ -70,9 +71,9 @@ def worker_output(
             paths.append(None if shown else os.devnull)
     env: dict[str, str] = {}
     if spec.log_dir is not None:
-        env["TORCHELASTIC_ERROR_FILE"] = str(
-            worker_log_dir(spec, generation, worker) / "error.json"
-        )
+        directory = worker_log_dir(spec, generation, worker)
+        directory.mkdir(parents=True, exist_ok=True)  # also for error.json alone
+        env["TORCHELASTIC_ERROR_FILE"] = str(directory / "error.json")
     if any(p not in (None, os.devnull) for p in paths) and "PYTHONUNBUFFERED" not in os.environ:
         env["PYTHONUNBUFFERED"] = "1"
     return paths[0], paths[1], env
