@@ -12,6 +12,7 @@ import fcntl
 import os
 import re
 import select
+import socket
 import struct
 import subprocess
 import sys
@@ -226,3 +227,18 @@ def _read_until_closed(master: int, proc: subprocess.Popen, timeout: float) -> b
             proc.kill()
         proc.wait(30)
     return b"".join(chunks)
+
+
+def test_nproc_per_node_words_and_a_taken_master_port(tmp_path, capsys) -> None:
+    assert cli._nproc_per_node("cpu") == os.cpu_count()
+    assert cli._nproc_per_node("auto") >= 1
+    assert cli._nproc_per_node("4") == 4
+    script = tmp_path / "train.py"
+    script.write_text("")
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        code = cli.main(
+            ["--master-port", str(port), "--state-dir", str(tmp_path / "s"), str(script)]
+        )
+    assert code == 2
+    assert f"--master-port {port}: cannot listen on 127.0.0.1" in capsys.readouterr().err
