@@ -85,6 +85,14 @@ INVALID = [
     ("monitor_interval", float("nan"), "JobSpec.monitor_interval"),
     ("monitor_interval", "0.1", "JobSpec.monitor_interval"),
     ("monitor_interval", True, "JobSpec.monitor_interval"),
+    ("run_as", "binary", "JobSpec.run_as must be one of script, module, program"),
+    ("master_port", 70000, "JobSpec.master_port must be an integer in 0..65535"),
+    ("log_dir", "logs", "JobSpec.log_dir must be an absolute path or None"),
+    ("redirects", "5", "JobSpec.redirects must be 0 (none), 1 (stdout), 2 (stderr) or 3"),
+    ("redirects", "3", "JobSpec.redirects writes log files: it needs JobSpec.log_dir"),
+    ("tee", "0:1,x", "JobSpec.tee must be 0 (none)"),
+    ("local_ranks_filter", [], "JobSpec.local_ranks_filter must be None or a non-empty list"),
+    ("local_ranks_filter", [-1], "JobSpec.local_ranks_filter"),
 ]
 
 
@@ -99,6 +107,19 @@ def test_invalid_fields_raise_clear_errors(field, value, message):
 def test_every_field_is_validated():
     validated = {field for field, _, _ in INVALID}
     assert validated == {f.name for f in dataclasses.fields(JobSpec)}
+
+
+def test_worker_command_and_streams():
+    spec = make(nnodes=2, nproc_per_node=2, entrypoint=["pkg.mod", "a"], run_as="module",
+                log_dir="/logs", redirects="0:1", tee="1:3", local_ranks_filter=[1])  # fmt: skip
+    assert spec.command("py") == ("py", "-m", "pkg.mod", "a")
+    assert make(entrypoint=["prog", "a"], run_as="program").command("py") == ("prog", "a")
+    assert make(entrypoint=["t.py"]).command("py") == ("py", "t.py")
+    # (redirect, tee, shown) by local rank: worker 2 is local rank 0 of node 1
+    assert [spec.streams_of(w) for w in range(4)] == [
+        (1, 0, False), (0, 3, True), (1, 0, False), (0, 3, True)
+    ]  # fmt: skip
+    assert JobSpec.from_dict(spec.to_dict()) == spec
 
 
 def test_placement_helpers():

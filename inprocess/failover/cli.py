@@ -16,6 +16,8 @@ import fcntl
 import logging
 import os
 import secrets
+import shutil
+import socket
 import sys
 import tempfile
 import time
@@ -23,6 +25,7 @@ from pathlib import Path
 
 from ..security import JOB_SECRET_ENV
 from . import policy
+from .console import Console, StatusLine
 from .spec import JobSpec, SpecError
 from .state import StateError, StateStore
 from .supervisor import (
@@ -45,8 +48,14 @@ def parser() -> argparse.ArgumentParser:
         prog="inprocess-run",
         description="Run a distributed PyTorch job with in-process restart and job failover.",
     )
-    p.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
-    p.add_argument("--nproc-per-node", type=int, default=1, help="workers per node (default 1)")
+    p.add_argument("--nnodes", type=_nnodes, default=1, help="number of nodes (default 1)")
+    p.add_argument(
+        "--nproc-per-node",
+        "--nproc_per_node",
+        type=_nproc_per_node,
+        default=1,
+        help="workers per node: a number, or gpu / cpu / auto as with torchrun (default 1)",
+    )
     p.add_argument(
         "--spare-nodes", type=int, default=0, help="spare node slots for relaunching failing nodes"
     )
@@ -77,13 +86,80 @@ def parser() -> argparse.ArgumentParser:
         f"(default {MAX_CONTROLLER_RESTARTS})",
     )
     p.add_argument("--state-dir", type=Path, help="where the controller keeps its state")
+    p.add_argument(
+        "-m",
+        "--module",
+        action="store_true",
+        help="run SCRIPT as a Python module, like python -m (SCRIPT is the module's name)",
+    )
+    p.add_argument(
+        "--no-python",
+        "--no_python",
+        action="store_true",
+        help="execute SCRIPT directly (a program on PATH or a path), not with Python",
+    )
+    p.add_argument(
+        "--log-dir",
+        "--log_dir",
+        type=Path,
+        default=None,
+        help="where per-worker log files go (<log-dir>/<job-id>_<random>/attempt_<generation>/"
+        "<rank>/stdout.log, stderr.log; default with --redirects / --tee: <state-dir>/logs)",
+    )
+    p.add_argument(
+        "-r",
+        "--redirects",
+        default="0",
+        help="worker streams written to the log files only: 0 none, 1 stdout, 2 stderr, "
+        "3 both, or per local rank, e.g. 0:1,1:2 (default 0)",
+    )
+    p.add_argument(
+        "-t",
+        "--tee",
+        default="0",
+        help="worker streams written to the log files and to the console (lines prefixed "
+        "[default<rank>]:), same values as --redirects (default 0)",
+    )
+    p.add_argument(
+        "--local-ranks-filter",
+        "--local_ranks_filter",
+        default=None,
+        help="local ranks whose output reaches the console, e.g. 0 or 0,1 (default: all); "
+        "the others' output goes to their log files only, or nowhere",
+    )
+    p.add_argument(
+        "--standalone",
+        action="store_true",
+        help="a job on this machine only: the store on 127.0.0.1, on a free port "
+        "(what inprocess-run does by default)",
+    )
+    p.add_argument(
+        "-q",
+        "--quiet",
+        action="store_true",
+        help="no status line and no log lines of inprocess-run's own, only errors "
+        "(workers' output is unchanged)",
+    )
     p.add_argument("--job-id", default=None, help="the job's id (default: generated)")
     p.add_argument(
         "--master-addr",
+        "--master_addr",
         default=None,
         help="address the job's store binds to and workers connect to (default: 127.0.0.1; "
         "with --backend ray, the IP address of the driver's Ray node)",
     )
+    p.add_argument(
+        "--master-port",
+        "--master_port",
+        type=int,
+        default=None,
+        help="port of the job's store (MASTER_PORT; default: a free port, a new one for "
+        "each cold restart)",
+    )
+    for flags, advice in _TORCHRUN_ONLY:
+        p.add_argument(
+            *flags, nargs="?", action=_Unsupported, advice=advice, help=argparse.SUPPRESS
+        )
     p.add_argument(
         "--backend",
         default="local",
@@ -106,13 +182,17 @@ def parser() -> argparse.ArgumentParser:
         "--monitor-interval", type=float, default=0.1, help="controller polling interval (s)"
     )
     p.add_argument("--log-level", default="INFO", help="controller log level (default INFO)")
-    p.add_argument("script", help="the training script")
+    p.add_argument(
+        "script", help="the training script (with -m: a module; with --no-python: a program)"
+    )
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments of the script")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.quiet:
+        args.log_level = "ERROR"
     level = logging.getLevelName(str(args.log_level).upper())
     if not isinstance(level, int):
         return _error(
@@ -136,21 +216,25 @@ def main(argv: list[str] | None = None) -> int:
             bundle = parse_bundle(args.ray_bundle)
         except ValueError as ex:
             return _error(str(ex))
-    if not Path(args.script).is_file():
-        return _error(f"SCRIPT {args.script!r} is not a file")
+    problem = _check_launch_flags(args)
+    if problem:
+        return _error(problem)
     if args.backend == "ray":
         ray_node = connect(args.ray_address)  # before our variables enter the environment
     if args.master_addr is None:
         args.master_addr = ray_node["ip"] if ray_node else "127.0.0.1"
     job_id = args.job_id or _default_job_id()
     state_dir = (args.state_dir or Path("inprocess-runs") / job_id).absolute()
-    script = Path(args.script)
-    if not script.is_file():
-        return _error(f"SCRIPT {args.script!r} is not a file")
+    run_as = "module" if args.module else "program" if args.no_python else "script"
+    entry = str(Path(args.script).absolute()) if run_as == "script" else args.script
+    log_dir = None
+    if args.log_dir is not None or args.redirects.strip() != "0" or args.tee.strip() != "0":
+        base = (args.log_dir or state_dir / "logs").absolute()
+        log_dir = base / f"{job_id}_{secrets.token_hex(4)}"
     try:
         spec = JobSpec(
             job_id=job_id,
-            entrypoint=(str(script.absolute()), *args.script_args),
+            entrypoint=(entry, *args.script_args),
             nnodes=args.nnodes,
             nproc_per_node=args.nproc_per_node,
             spare_nodes=args.spare_nodes,
@@ -161,6 +245,12 @@ def main(argv: list[str] | None = None) -> int:
             state_dir=str(state_dir),
             master_addr=args.master_addr,
             monitor_interval=args.monitor_interval,
+            run_as=run_as,
+            master_port=args.master_port or 0,
+            log_dir=str(log_dir) if log_dir is not None else None,
+            redirects=args.redirects,
+            tee=args.tee,
+            local_ranks_filter=args.local_ranks_filter,
         )
     except SpecError as ex:
         return _error(_flag_names(str(ex)))
@@ -169,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
         lock = lock_job_id(job_id)  # held (open) as long as this process lives
         _prepare_state_dir(state_dir)
         StateStore(state_dir).create(policy.new_job_state(spec, now=time.time()))
+        if log_dir is not None:
+            log_dir.mkdir(parents=True)
     except (StateError, OSError) as ex:
         if lock is not None:
             os.close(lock)
@@ -179,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
         level=args.log_level, format="%(asctime)s inprocess-run %(levelname)s %(message)s"
     )
     log.info("job %s: state in %s", job_id, state_dir)
+    if log_dir is not None:
+        log.info("job %s: worker logs in %s", job_id, log_dir)
     # Every process of the job inherits these: the job id (what the user sees),
     # this run's token (what cleanup goes by: a reused job id never matches it)
     # and the job's store secret (a user-given INPROCESS_JOB_SECRET is kept).
@@ -187,6 +281,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ[RUN_TOKEN_ENV] = run_token
     if not os.environ.get(JOB_SECRET_ENV):
         os.environ[JOB_SECRET_ENV] = secrets.token_hex(32)
+    # the console view (status line, tee'd logs) runs as long as the job
+    console = Console(state_dir, spec, None if args.quiet else StatusLine.usable(2))
+    console.start()
     try:
         if ray_node is not None:
             from .ray_driver import RayDriver
@@ -206,7 +303,144 @@ def main(argv: list[str] | None = None) -> int:
             max_controller_restarts=args.max_controller_restarts,
         ).run()
     finally:
+        console.stop()
         os.close(lock)
+
+
+#: torchrun's flags that mean nothing here, and what to do instead
+_TORCHRUN_ONLY: list[tuple[tuple[str, ...], str]] = [
+    (
+        ("--rdzv-backend", "--rdzv_backend"),
+        "there is no rendezvous: the controller starts every worker and hosts the "
+        "job's store; drop it (--standalone is accepted)",
+    ),
+    (
+        ("--rdzv-endpoint", "--rdzv_endpoint"),
+        "the job's store is hosted by inprocess-run: use --master-addr (and --master-port)",
+    ),
+    (("--rdzv-id", "--rdzv_id"), "use --job-id"),
+    (
+        ("--rdzv-conf", "--rdzv_conf"),
+        "no rendezvous to configure; the job's limits are --max-restarts, "
+        "--per-node-max-failures, --job-max-restarts and --node-max-relaunches",
+    ),
+    (
+        ("--node-rank", "--node_rank"),
+        "inprocess-run starts every node itself: run it once for the whole job "
+        "(--nnodes; --backend ray for several machines)",
+    ),
+    (("--role",), "every worker runs the same SCRIPT; there are no roles"),
+    (
+        ("--start-method", "--start_method"),
+        "workers are always new processes (like spawn); drop it",
+    ),
+    (("--max_restarts",), "use --max-restarts (restarts per worker) or --job-max-restarts"),
+    (("--local-addr", "--local_addr"), "use --master-addr"),
+    (("--logs-specs", "--logs_specs"), "use --log-dir, --redirects and --tee"),
+]
+
+
+class _Unsupported(argparse.Action):
+    """A torchrun flag we do not take: fails the parse, saying what to use instead."""
+
+    def __init__(self, option_strings: list[str], dest: str, advice: str, **kwargs: object):
+        self.advice = advice
+        super().__init__(option_strings, dest, **kwargs)  # type: ignore[arg-type]
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object) -> None:
+        raise argparse.ArgumentError(self, f"not an inprocess-run flag: {self.advice}")
+
+
+def _nnodes(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    if ":" in text:
+        raise argparse.ArgumentTypeError(
+            f"elastic ranges MIN:MAX ({text!r}) are not supported: give the number of nodes; "
+            "--spare-nodes adds node slots that a failing node moves to"
+        )
+    raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}")
+
+
+def _nproc_per_node(text: str) -> int:
+    """A number, or torchrun's ``gpu`` (GPUs here), ``cpu`` (CPUs) or ``auto`` (either)."""
+    if text in ("gpu", "auto"):
+        import torch
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if gpus or text == "auto":
+            return gpus or (os.cpu_count() or 1)
+        raise argparse.ArgumentTypeError("gpu: this machine has no GPU visible to torch")
+    if text == "cpu":
+        return os.cpu_count() or 1
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be an integer, gpu, cpu or auto, got {text!r}"
+        ) from None
+
+
+def _check_launch_flags(args: argparse.Namespace) -> str | None:
+    """The torchrun-style flags that do not go together, or a SCRIPT that cannot run."""
+    if args.module and args.no_python:
+        return "-m/--module and --no-python exclude each other (a module needs Python)"
+    local_only = [
+        flag
+        for flag, given in (
+            ("--log-dir", args.log_dir is not None),
+            ("--redirects", args.redirects.strip() != "0"),
+            ("--tee", args.tee.strip() != "0"),
+            ("--local-ranks-filter", args.local_ranks_filter is not None),
+            ("--master-port", args.master_port is not None),
+            ("--standalone", args.standalone),
+        )
+        if given
+    ]
+    if args.backend == "ray" and local_only:
+        return (
+            f"{', '.join(local_only)}: work with --backend local only (with --backend ray, "
+            "workers' output reaches the console through Ray's logs and the store's port "
+            "is chosen on its Ray node)"
+        )
+    if args.standalone and (args.master_addr is not None or args.master_port is not None):
+        return (
+            "--standalone picks the store's address and port itself: "
+            "drop --master-addr/--master-port"
+        )
+    if args.local_ranks_filter is not None:
+        try:
+            args.local_ranks_filter = [int(r) for r in args.local_ranks_filter.split(",")]
+            if any(r < 0 for r in args.local_ranks_filter):
+                raise ValueError
+        except ValueError:
+            return (
+                "--local-ranks-filter must be a comma-separated list of local ranks "
+                f"(integers >= 0), e.g. 0 or 0,1, got {args.local_ranks_filter!r}"
+            )
+    if args.master_port is not None:
+        if not 1 <= args.master_port <= 65535:
+            return f"--master-port must be in 1..65535, got {args.master_port}"
+        addr = args.master_addr or "127.0.0.1"
+        try:
+            with socket.create_server((addr, args.master_port)):
+                pass
+        except OSError as ex:
+            return f"--master-port {args.master_port}: cannot listen on {addr}: {ex.strerror or ex}"
+    if args.module:
+        return None
+    if args.no_python:
+        if shutil.which(args.script) is None:
+            return (
+                f"--no-python: {args.script!r} is neither a command on PATH "
+                "nor an executable file"
+            )
+        return None
+    if not Path(args.script).is_file():
+        return f"SCRIPT {args.script!r} is not a file"
+    return None
 
 
 def _error(message: str) -> int:

@@ -39,6 +39,7 @@ from .. import protocol
 from ..security import keyed_namespace
 from . import policy
 from .backends import DEFAULT_BACKEND, Backend, ProcessExit, WorkerLaunch, create_backend
+from .console import worker_output
 from .policy import (
     Action,
     Decision,
@@ -450,8 +451,11 @@ class Controller:
         """A new store server (a fresh key space) and every worker (a cold start)."""
         self._stop_server()
         self._no_member_since = None
-        start = getattr(self.backend, "start_store_server", start_store_server)
-        self.server = start(self.spec.master_addr)
+        start = getattr(self.backend, "start_store_server", None)
+        if start is None:
+            self.server = start_store_server(self.spec.master_addr, port=self.spec.master_port)
+        else:
+            self.server = start(self.spec.master_addr)
         state = self.state.copy()
         state.store = {
             "host": self.server.host,
@@ -469,13 +473,16 @@ class Controller:
     def start_worker(self, worker: int) -> None:
         record = self.state.workers[worker]
         slot = self.state.node_slots[record.node]
+        stdout, stderr, output_env = worker_output(self.spec, worker, self.state.generation)
         launch = WorkerLaunch(
             worker=worker,
             incarnation=record.incarnation + 1,
             node=record.node,
             slot=slot,
-            argv=(sys.executable, *self.spec.entrypoint),
-            env=self.worker_env(worker, record.incarnation + 1, slot),
+            argv=self.spec.command(sys.executable),
+            env={**self.worker_env(worker, record.incarnation + 1, slot), **output_env},
+            stdout=stdout,
+            stderr=stderr,
         )
         pid, start_time = self.backend.start(launch)
         self.commit(

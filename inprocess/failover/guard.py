@@ -17,7 +17,9 @@ Run as ``python -m inprocess.failover.guard STATE_DIR RUN_TOKEN SUPERVISOR_PID``
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import signal
 import sys
 import time
@@ -55,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     if message.startswith(b"done"):
         return 0
     reason = f"inprocess-run (pid {supervisor}) died before the job ended"
+    if os.isatty(2):  # its status line may hold the terminal's scroll region: give it back
+        with contextlib.suppress(OSError):
+            os.write(2, b"\0337\033[r\0338")
     log.error("%s: ending the job", reason)
     # Give a live controller the chance to stop the job in order (it got SIGTERM).
     deadline = time.monotonic() + GUARD_GRACE

@@ -21,14 +21,52 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["JOB_ID_PATTERN", "JobSpec", "SpecError"]
+__all__ = ["JOB_ID_PATTERN", "RUN_AS", "JobSpec", "SpecError", "parse_std"]
 
 #: allowed characters of a job id; it may name files, directories and store prefixes
 JOB_ID_PATTERN = re.compile(r"[A-Za-z0-9_.-]+")
+#: how ``entrypoint[0]`` is run: ``python SCRIPT``, ``python -m MODULE``, or as a program
+RUN_AS = ("script", "module", "program")
+#: torchrun's stream selectors (``--redirects`` / ``--tee``): none, stdout, stderr, both
+STD_VALUES = (0, 1, 2, 3)
 
 
 class SpecError(ValueError):
     """A job spec field has an invalid type or value; the message names the field."""
+
+
+def parse_std(name: str, value: str) -> dict[int | None, int]:
+    """torchrun's ``--redirects`` / ``--tee`` value: ``"3"`` for every local rank, or a
+    per-local-rank mapping ``"0:1,1:2"`` (ranks not named: 0).
+
+    Returns ``{None: std}`` or ``{local_rank: std, ...}``; ``std`` is 0 (none),
+    1 (stdout), 2 (stderr) or 3 (both).
+
+    Raises:
+        SpecError: naming ``name`` and the allowed forms.
+    """
+    error = SpecError(
+        f"JobSpec.{name} must be 0 (none), 1 (stdout), 2 (stderr) or 3 (both), or a "
+        f"per-local-rank mapping such as '0:1,1:2', got {value!r}"
+    )
+    if not isinstance(value, str):
+        raise error
+    text = value.strip()
+    try:
+        if ":" not in text:
+            result: dict[int | None, int] = {None: int(text)}
+        else:
+            result = {}
+            for item in text.split(","):
+                rank, _, std = item.partition(":")
+                if int(rank) < 0:
+                    raise ValueError(rank)
+                result[int(rank)] = int(std)
+    except ValueError:
+        raise error from None
+    if any(std not in STD_VALUES for std in result.values()):
+        raise error
+    return result
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int:
@@ -66,6 +104,16 @@ class JobSpec:
         state_dir: absolute directory holding the durable controller state.
         master_addr: address workers use to reach rank 0 (``MASTER_ADDR``).
         monitor_interval: seconds between two polls of the workers (> 0).
+        run_as: how ``entrypoint[0]`` runs (:data:`RUN_AS`): ``"script"``
+            (``python SCRIPT``), ``"module"`` (``python -m MODULE``) or
+            ``"program"`` (executed directly, no interpreter).
+        master_port: port of the job's store server (``MASTER_PORT``); 0: a free one.
+        log_dir: absolute directory of this run's per-worker log files, or
+            ``None`` (no files: every worker writes to the launcher's console).
+        redirects: streams written to the log files only (see :func:`parse_std`).
+        tee: streams written to the log files and copied to the console.
+        local_ranks_filter: local ranks whose output reaches the console
+            (``None``: all); the others' output goes to their files or nowhere.
     """
 
     job_id: str
@@ -80,6 +128,12 @@ class JobSpec:
     node_max_relaunches: int = 1
     master_addr: str = "127.0.0.1"
     monitor_interval: float = 0.1
+    run_as: str = "script"
+    master_port: int = 0
+    log_dir: str | None = None
+    redirects: str = "0"
+    tee: str = "0"
+    local_ranks_filter: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -153,6 +207,58 @@ class JobSpec:
             )
         object.__setattr__(self, "monitor_interval", float(interval))
 
+        if self.run_as not in RUN_AS:
+            raise SpecError(
+                f"JobSpec.run_as must be one of {', '.join(RUN_AS)}, got {self.run_as!r}"
+            )
+        port = self.master_port
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise SpecError(f"JobSpec.master_port must be an integer in 0..65535, got {port!r}")
+        log_dir = self.log_dir
+        if isinstance(log_dir, os.PathLike):
+            log_dir = os.fspath(log_dir)
+        if log_dir is not None and (not isinstance(log_dir, str) or not os.path.isabs(log_dir)):
+            raise SpecError(f"JobSpec.log_dir must be an absolute path or None, got {log_dir!r}")
+        object.__setattr__(self, "log_dir", log_dir)
+        for name in ("redirects", "tee"):
+            if any(parse_std(name, getattr(self, name)).values()) and log_dir is None:
+                raise SpecError(f"JobSpec.{name} writes log files: it needs JobSpec.log_dir")
+        ranks = self.local_ranks_filter
+        if ranks is not None:
+            if (
+                isinstance(ranks, str | bytes)
+                or not isinstance(ranks, Sequence)
+                or not ranks
+                or any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in ranks)
+            ):
+                raise SpecError(
+                    "JobSpec.local_ranks_filter must be None or a non-empty list of local "
+                    f"ranks (integers >= 0), got {ranks!r}"
+                )
+            object.__setattr__(self, "local_ranks_filter", tuple(sorted(set(ranks))))
+
+    # -- worker command and output -----------------------------------------
+
+    def command(self, python: str) -> tuple[str, ...]:
+        """The worker's argv (``python``: the interpreter, unless run as a program)."""
+        if self.run_as == "module":
+            return (python, "-m", *self.entrypoint)
+        if self.run_as == "program":
+            return self.entrypoint
+        return (python, *self.entrypoint)
+
+    def streams_of(self, worker: int) -> tuple[int, int, bool]:
+        """``(redirect, tee, shown)`` of ``worker``: torchrun's stream selectors for
+        its local rank, and whether its output may reach the console."""
+        local = self.local_rank_of(worker)
+        redirects, tee = parse_std("redirects", self.redirects), parse_std("tee", self.tee)
+        shown = self.local_ranks_filter is None or local in self.local_ranks_filter
+        return (
+            redirects.get(None, redirects.get(local, 0)),
+            tee.get(None, tee.get(local, 0)),
+            shown,
+        )
+
     # -- placement helpers -------------------------------------------------
 
     @property
@@ -198,6 +304,8 @@ class JobSpec:
         """JSON-friendly dict of every field (``entrypoint`` as a list)."""
         data = dataclasses.asdict(self)
         data["entrypoint"] = list(self.entrypoint)
+        if self.local_ranks_filter is not None:
+            data["local_ranks_filter"] = list(self.local_ranks_filter)
         return data
 
     @classmethod

@@ -8,9 +8,10 @@ that it also outlives a crash of the controller. A cold restart of the job gets
 a new one on a new port, so a plain ``env://`` script never reads the keys of
 an earlier generation.
 
-Run as ``python -m inprocess.failover.store_server HOST READY_FD``: binds a free
-port of ``HOST`` (that address only, see :mod:`inprocess.security`), writes it
-as text to ``READY_FD``, then serves until SIGTERM.
+Run as ``python -m inprocess.failover.store_server HOST READY_FD [PORT]``: binds
+``PORT`` (default: a free one) of ``HOST`` (that address only, see
+:mod:`inprocess.security`), writes the port as text to ``READY_FD``, then
+serves until SIGTERM.
 """
 
 from __future__ import annotations
@@ -64,12 +65,15 @@ def _alive(pid: int) -> bool:
 
 
 def start_store_server(
-    host: str, timeout: float = 60.0, preexec_fn: Callable[[], None] | None = None
+    host: str,
+    timeout: float = 60.0,
+    preexec_fn: Callable[[], None] | None = None,
+    port: int = 0,
 ) -> StoreServer:
     """Starts a store server and returns once it accepts connections.
 
     ``preexec_fn`` runs in the child before the server starts (e.g. to tie its
-    life to its parent's)."""
+    life to its parent's). ``port``: the port to bind (0: a free one)."""
     ready_r, ready_w = os.pipe()
     env = dict(os.environ)
     # torch's store server resolves the name of every client that connects, for
@@ -78,7 +82,14 @@ def start_store_server(
     env.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
     try:
         process = subprocess.Popen(
-            [sys.executable, "-m", "inprocess.failover.store_server", host, str(ready_w)],
+            [
+                sys.executable,
+                "-m",
+                "inprocess.failover.store_server",
+                host,
+                str(ready_w),
+                str(port),
+            ],
             pass_fds=(ready_w,),
             start_new_session=True,
             stdin=subprocess.DEVNULL,
@@ -104,6 +115,7 @@ def start_store_server(
 
 def main() -> int:
     host, ready_fd = sys.argv[1], int(sys.argv[2])
+    port = int(sys.argv[3]) if len(sys.argv) > 3 else 0
     stop = False
 
     def on_term(signum: int, frame: object) -> None:
@@ -117,7 +129,7 @@ def main() -> int:
     from ..security import bound_port, listen_fd
 
     # Bound to the job's address only: torch's own server would listen on all.
-    fd = listen_fd(host, 0)
+    fd = listen_fd(host, port)
     store = dist.TCPStore(
         host,
         bound_port(fd),

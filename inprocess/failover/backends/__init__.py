@@ -71,6 +71,9 @@ class WorkerLaunch:
     slot: int
     argv: tuple[str, ...]
     env: dict[str, str]
+    #: files its stdout / stderr are appended to (``None``: inherited, the console)
+    stdout: str | None = None
+    stderr: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

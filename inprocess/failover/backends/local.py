@@ -73,13 +73,7 @@ class LocalBackend:
         self._poller = select.poll()
 
     def start(self, launch: WorkerLaunch) -> tuple[int, float]:
-        process = subprocess.Popen(
-            list(launch.argv),
-            env=launch.env,
-            start_new_session=True,
-            stdin=subprocess.DEVNULL,
-            preexec_fn=kill_on_parent_death if self.die_with_parent else None,
-        )
+        process = spawn_worker(launch, self.die_with_parent)
         self._children[process.pid] = process
         self._watch(process.pid)
         start_time = process_start_time(process.pid)
@@ -166,6 +160,34 @@ class LocalBackend:
                 self._poller.unregister(fd)
             os.close(fd)
         self._children.clear()
+
+
+def spawn_worker(launch: WorkerLaunch, die_with_parent: bool = False) -> subprocess.Popen[bytes]:
+    """Starts one worker process: the one place where a worker is spawned.
+
+    In a session (and process group) of its own, stdin from ``/dev/null``,
+    stdout and stderr appended to ``launch.stdout`` / ``launch.stderr`` (their
+    directories created) or inherited when ``None``. Appending keeps the output
+    of every incarnation of a worker in its file.
+    """
+    with contextlib.ExitStack() as files:
+        streams = []
+        for path in (launch.stdout, launch.stderr):
+            if path is None:
+                streams.append(None)
+                continue
+            if path != os.devnull:
+                Path(path).parent.mkdir(parents=True, exist_ok=True)
+            streams.append(files.enter_context(open(path, "ab")))
+        return subprocess.Popen(
+            list(launch.argv),
+            env=launch.env,
+            start_new_session=True,
+            stdin=subprocess.DEVNULL,
+            stdout=streams[0],
+            stderr=streams[1],
+            preexec_fn=kill_on_parent_death if die_with_parent else None,
+        )
 
 
 def kill_on_parent_death() -> None:
