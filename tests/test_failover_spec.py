@@ -85,6 +85,7 @@ INVALID = [
     ("monitor_interval", float("nan"), "JobSpec.monitor_interval"),
     ("monitor_interval", "0.1", "JobSpec.monitor_interval"),
     ("monitor_interval", True, "JobSpec.monitor_interval"),
+    ("standby", -1, "JobSpec.standby must be an integer >= 0, got -1"),
 ]
 
 

@@ -106,6 +106,13 @@ def parser() -> argparse.ArgumentParser:
         "--monitor-interval", type=float, default=0.1, help="controller polling interval (s)"
     )
     p.add_argument("--log-level", default="INFO", help="controller log level (default INFO)")
+    p.add_argument(
+        "--standby",
+        type=int,
+        default=1,
+        help="warm standby processes per node (torch imported, waiting to replace a worker "
+        "at once); 0 turns them off (default 1)",
+    )
     p.add_argument("script", help="the training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments of the script")
     return p
@@ -161,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             state_dir=str(state_dir),
             master_addr=args.master_addr,
             monitor_interval=args.monitor_interval,
+            standby=args.standby,
         )
     except SpecError as ex:
         return _error(_flag_names(str(ex)))

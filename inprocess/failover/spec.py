@@ -66,6 +66,8 @@ class JobSpec:
         state_dir: absolute directory holding the durable controller state.
         master_addr: address workers use to reach rank 0 (``MASTER_ADDR``).
         monitor_interval: seconds between two polls of the workers (> 0).
+        standby: warm standby processes kept per node slot (>= 0; 0: none), see
+            :mod:`inprocess.failover.standby`.
     """
 
     job_id: str
@@ -80,6 +82,7 @@ class JobSpec:
     node_max_relaunches: int = 1
     master_addr: str = "127.0.0.1"
     monitor_interval: float = 0.1
+    standby: int = 1
 
     def __post_init__(self) -> None:
         self.validate()
@@ -123,6 +126,7 @@ class JobSpec:
         _check_int("per_node_max_failures", self.per_node_max_failures, 1)
         _check_int("job_max_restarts", self.job_max_restarts, 0)
         _check_int("node_max_relaunches", self.node_max_relaunches, 0)
+        _check_int("standby", self.standby, 0)
 
         state_dir = self.state_dir
         if isinstance(state_dir, os.PathLike):

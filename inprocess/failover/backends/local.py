@@ -5,6 +5,13 @@ death is observed directly through pidfds, for children and for workers that
 an earlier controller started (after a controller crash they are orphans; the
 supervisor reaps them and the backend records how they ended, see
 :meth:`LocalBackend.record_exit`).
+
+Warm standbys (:mod:`inprocess.failover.standby`): :meth:`LocalBackend.keep_standbys`
+keeps pre-imported processes per slot; :meth:`LocalBackend.start` turns one of
+the slot's into the worker when it can, else spawns it. Both go through one
+spawn path (:meth:`LocalBackend._spawn`) and one choice of the worker's stdio
+(:meth:`LocalBackend._stdio`), so a standby-made worker is started, routed and
+watched like a spawned one.
 """
 
 from __future__ import annotations
@@ -17,9 +24,12 @@ import select
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from ..processes import process_start_time
+from ..standby import StandbyPool
 from . import ProcessExit, WorkerLaunch
 
 log = logging.getLogger(__name__)
@@ -71,19 +81,49 @@ class LocalBackend:
         self._children: dict[int, subprocess.Popen[bytes]] = {}
         self._pidfds: dict[int, int] = {}
         self._poller = select.poll()
+        self.standbys = StandbyPool(self._spawn_standby, die_with_parent)
 
     def start(self, launch: WorkerLaunch) -> tuple[int, float]:
-        process = subprocess.Popen(
-            list(launch.argv),
-            env=launch.env,
-            start_new_session=True,
-            stdin=subprocess.DEVNULL,
-            preexec_fn=kill_on_parent_death if self.die_with_parent else None,
-        )
+        stdio = self._stdio(launch)
+        process = None
+        with _stdio_fds(stdio) as fds:
+            if fds is not None:
+                process = self.standbys.take(launch.slot, launch.argv, launch.env, fds)
+        if process is None:
+            process = self._spawn(list(launch.argv), launch.env, **stdio)
         self._children[process.pid] = process
         self._watch(process.pid)
         start_time = process_start_time(process.pid)
         return process.pid, start_time if start_time is not None else 0.0
+
+    def _stdio(self, launch: WorkerLaunch) -> dict[str, Any]:
+        """The ``stdin``/``stdout``/``stderr`` arguments of ``Popen`` for a worker
+        (absent: inherited); a standby-made worker gets the same files."""
+        return {"stdin": subprocess.DEVNULL}
+
+    def _spawn(
+        self, argv: list[str], env: dict[str, str], pass_fds: tuple[int, ...] = (), **stdio: Any
+    ) -> subprocess.Popen[bytes]:
+        """The one way a process of the job (worker or standby) is started here: its
+        own session and process group; dies with us if :attr:`die_with_parent`."""
+        return subprocess.Popen(
+            argv,
+            env=env,
+            start_new_session=True,
+            pass_fds=pass_fds,
+            preexec_fn=kill_on_parent_death if self.die_with_parent else None,
+            **stdio,
+        )
+
+    def _spawn_standby(
+        self, argv: list[str], env: dict[str, str], pass_fds: tuple[int, ...]
+    ) -> subprocess.Popen[bytes]:
+        return self._spawn(argv, env, pass_fds, stdin=subprocess.DEVNULL)
+
+    def keep_standbys(self, slot: int, count: int, env: dict[str, str]) -> None:
+        """Keeps ``count`` warm standbys for the workers of ``slot``, spawned with
+        ``env`` (the workers' common environment); 0 ends those it has."""
+        self.standbys.keep(slot, count, env)
 
     def running(self, pid: int, start_time: float | None) -> bool:
         return process_start_time(pid) == start_time
@@ -124,6 +164,7 @@ class LocalBackend:
         return process_start_time(pid) is not None
 
     def wait(self, timeout: float) -> list[ProcessExit]:
+        self.standbys.maintain()  # a used or dead standby is replaced in the background
         ready = self._poller.poll(timeout * 1000) if self._pidfds else []
         if not self._pidfds:
             time.sleep(timeout)
@@ -160,12 +201,43 @@ class LocalBackend:
             os.rmdir(self.exits_dir)
 
     def close(self) -> None:
+        """Ends the standbys; workers keep running."""
+        self.standbys.close()
         for pid in list(self._pidfds):
             fd = self._pidfds.pop(pid)
             with contextlib.suppress(OSError):
                 self._poller.unregister(fd)
             os.close(fd)
         self._children.clear()
+
+
+@contextlib.contextmanager
+def _stdio_fds(stdio: dict[str, Any]) -> Iterator[tuple[int, int, int] | None]:
+    """The file descriptors that ``Popen(**stdio)`` would give a child as 0, 1, 2
+    (``None`` for a pipe, which only ``Popen`` can make); valid inside the block."""
+    opened: list[int] = []
+    fds: list[int] = []
+    try:
+        for target, name in enumerate(("stdin", "stdout", "stderr")):
+            value = stdio.get(name)
+            if value is None:
+                fds.append(target)  # inherited
+            elif value == subprocess.DEVNULL:
+                opened.append(os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC))
+                fds.append(opened[-1])
+            elif value == subprocess.STDOUT and target == 2:
+                fds.append(fds[1])
+            elif value == subprocess.PIPE:
+                yield None
+                return
+            elif isinstance(value, int):
+                fds.append(value)
+            else:
+                fds.append(value.fileno())
+        yield fds[0], fds[1], fds[2]
+    finally:
+        for fd in opened:
+            os.close(fd)
 
 
 def kill_on_parent_death() -> None:
