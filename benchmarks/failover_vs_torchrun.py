@@ -16,10 +16,10 @@ times in a row in each:
   killed worker is replaced by its node's warm standby, a process that has
   imported torch already.
 * ``inprocess-cold`` and ``inprocess-cold-standby``: ``inprocess-run`` running
-  ``examples/train_plain.py`` (no Wrapper), ``--standby 0`` and ``--standby 1``:
+  ``examples/train_plain.py`` (no Wrapper), ``--standby 0`` and ``--standby 2``:
   every kill is a cold restart of all 4 workers with a new store server (the
-  standby column: one worker per node from a standby, the store server started
-  ahead). ``--job-max-restarts`` is ``--faults`` too.
+  standby column: every worker from a standby, 2 per node, and the store
+  server started ahead). ``--job-max-restarts`` is ``--faults`` too.
 * ``torchrun*``: ``torchrun --nnodes 1 --nproc-per-node 4 --max-restarts K``
   running ``examples/train_plain.py`` (the same job without the Wrapper). The
   agent stops the 3 survivors and starts all 4 workers again. Three
@@ -111,7 +111,7 @@ LABELS = {
     "inprocess": "inprocess-run (2x2)",
     "inprocess-standby": "inprocess-run, standby",
     "inprocess-cold": "inprocess-run cold (plain)",
-    "inprocess-cold-standby": "inprocess-run cold, standby",
+    "inprocess-cold-standby": "inprocess-run cold, standby 2",
     "torchrun": "torchrun static (default)",
     "torchrun-c10d": "torchrun c10d",
     "torchrun-c10d-noshare": "torchrun c10d, no shared store",
@@ -287,7 +287,8 @@ def command(system: str, args: argparse.Namespace, work: Path) -> tuple[list[str
             str(args.faults),
             *(["--job-max-restarts", str(args.faults)] if cold else []),
             "--standby",
-            "1" if system.endswith("standby") else "0",
+            # a cold restart starts every worker: one standby per worker of a node
+            ("2" if cold else "1") if system.endswith("standby") else "0",
             "--state-dir",
             str(work / "state"),
             "--job-id",

@@ -300,29 +300,43 @@ def test_standby_replaces_a_killed_worker_and_dies_with_the_controller(tmp_path)
         job.close()
 
 
+def _store_servers(job_id: str) -> set[int]:
+    found = set()
+    for p in job_processes(job_id):
+        with contextlib.suppress(psutil.Error):
+            if "inprocess.failover.store_server" in p.cmdline():
+                found.add(p.pid)
+    return found
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(180)
-def test_end_paths_with_standby_and_standby_zero(tmp_path):
-    """A job that ends normally or at a limit leaves nothing; ``--standby 0``
-    never starts a standby or a spare store server."""
-    limited = _Job(tmp_path / "a", "--max-restarts", "0", "--standby", "2")
-    plain = _Job(tmp_path / "b", "--standby", "0", steps=40)
+@pytest.mark.timeout(240)
+def test_cold_restart_takes_the_spare_store_server_and_limits_leave_nothing(tmp_path):
+    """The next generation's store server runs ahead: a cold restart (here: the
+    store server dies) takes it; a job ended by a limit leaves nothing; a job of
+    ``--standby 0`` (at the same time) never starts a standby or a spare server
+    and ends normally."""
+    limited = _Job(tmp_path / "a", "--job-max-restarts", "1")
+    plain = _Job(tmp_path / "b", "--standby", "0", steps=60)
     try:
-        _wait(lambda: len(_standbys(limited.job_id)) == 2, 90, "two standbys")
-        pid = _wait(lambda: _running_pids(limited.state_dir).get(0), 30, "worker 0")
-        os.kill(pid, signal.SIGKILL)
-        assert limited.proc.wait(60) != 0
+        _wait(lambda: _state(limited.state_dir).get("wrapper_managed"), 120, "the Wrapper job")
+        current = _state(limited.state_dir)["store"]["pid"]
+        spare = _wait(lambda: _store_servers(limited.job_id) - {current}, 60, "a spare server")
+        os.kill(current, signal.SIGKILL)
+        _wait(lambda: _state(limited.state_dir).get("generation") == 1, 60, "a cold restart")
+        assert {_state(limited.state_dir)["store"]["pid"]} == spare
+        _wait(lambda: len(_running_pids(limited.state_dir)) == 2, 60, "the new generation")
+        os.kill(_state(limited.state_dir)["store"]["pid"], signal.SIGKILL)
+        assert limited.proc.wait(90) != 0
+        assert "job_max_restarts" in _state(limited.state_dir)["reason"]
         limited.nothing_left()
-        state = json.loads((limited.state_dir / "state.json").read_text())
-        assert "max-restarts" in state["reason"] or "restarts" in state["reason"]
 
         servers: set[int] = set()
         while plain.proc.poll() is None:
             for p in job_processes(plain.job_id):
                 with contextlib.suppress(psutil.Error):
                     assert "inprocess.failover.standby" not in p.cmdline()
-                    if "inprocess.failover.store_server" in p.cmdline():
-                        servers.add(p.pid)
+            servers |= _store_servers(plain.job_id)
             time.sleep(0.1)
         assert plain.proc.returncode == 0
         assert len(servers) == 1  # no spare store server either
