@@ -313,18 +313,23 @@ def _store_servers(job_id: str) -> set[int]:
 @pytest.mark.timeout(240)
 def test_cold_restart_takes_the_spare_store_server_and_limits_leave_nothing(tmp_path):
     """The next generation's store server runs ahead: a cold restart (here: the
-    store server dies) takes it; a job ended by a limit leaves nothing; a job of
-    ``--standby 0`` (at the same time) never starts a standby or a spare server
-    and ends normally."""
+    store server dies) takes it; a job ended by a limit or normally leaves
+    nothing; a job of ``--standby 0`` never starts a standby or a spare server."""
     limited = _Job(tmp_path / "a", "--job-max-restarts", "1")
     plain = _Job(tmp_path / "b", "--standby", "0", steps=60)
+    normal = _Job(tmp_path / "c", steps=60)
     try:
         _wait(lambda: _state(limited.state_dir).get("wrapper_managed"), 120, "the Wrapper job")
         current = _state(limited.state_dir)["store"]["pid"]
         spare = _wait(lambda: _store_servers(limited.job_id) - {current}, 60, "a spare server")
         os.kill(current, signal.SIGKILL)
-        _wait(lambda: _state(limited.state_dir).get("generation") == 1, 60, "a cold restart")
-        assert {_state(limited.state_dir)["store"]["pid"]} == spare
+        new = _wait(
+            lambda: (_state(limited.state_dir).get("store") or {}).get("pid", current) != current
+            and _state(limited.state_dir)["store"]["pid"],
+            60,
+            "a cold restart",
+        )
+        assert _state(limited.state_dir)["generation"] == 1 and {new} == spare
         _wait(lambda: len(_running_pids(limited.state_dir)) == 2, 60, "the new generation")
         os.kill(_state(limited.state_dir)["store"]["pid"], signal.SIGKILL)
         assert limited.proc.wait(90) != 0
@@ -341,6 +346,9 @@ def test_cold_restart_takes_the_spare_store_server_and_limits_leave_nothing(tmp_
         assert plain.proc.returncode == 0
         assert len(servers) == 1  # no spare store server either
         plain.nothing_left()
+        assert normal.proc.wait(120) == 0
+        normal.nothing_left()
     finally:
         limited.close()
         plain.close()
+        normal.close()
