@@ -525,7 +525,8 @@ def finish(
     if result.final_step != args.steps or result.final_w != float(args.steps):
         result.notes.append(f"final checkpoint {checkpoint}, expected step {args.steps}")
     events.poll()
-    done = {e["rank"] for e in events.finishes if e["result"]["step"] == args.steps}
+    # a rank that rejoined a call the others completed meanwhile returns None there
+    done = {e["rank"] for e in events.finishes if (e["result"] or {}).get("step") == args.steps}
     if done != set(range(WORLD)):
         result.notes.append(f"ranks that finished with step {args.steps}: {sorted(done)}")
 

@@ -196,9 +196,13 @@ def test_worker_kill_controller_kill_and_node_loss(tmp_path, cluster):
         wait_for(lambda: launch.running_at_step(step + 20), launch, 60, "progress")
         # 3. the Ray node of job node 1 (workers 2, 3) goes away
         victim = cluster_node(cluster, launch.nodes()[str(launch.state()["node_slots"]["1"])])
+        standbys = _standby_pids(launch.job_id)  # the spare slot's among them
         lost_at = time.time()
         cluster.remove_node(victim)
         wait_for(lambda: launch.full_size_since(lost_at), launch, 120, "full size after loss")
+        # the relaunched node's workers start from the spare slot's standby (one per node)
+        moved = {split_worker_pid(launch.state()["workers"][w]["pid"])[1] for w in ("2", "3")}
+        assert moved & standbys
         check_clean_success(launch, steps, timeout=240)
         state = launch.state()
         assert state["worker_restarts"]["1"] == 1

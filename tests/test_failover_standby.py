@@ -268,11 +268,14 @@ def test_standby_replaces_a_killed_worker_and_dies_with_the_controller(tmp_path)
     """A killed worker is replaced by the node's standby (same pid), which is
     replaced in turn; a SIGKILLed controller takes its standbys with it (its
     successor makes new ones); Ctrl-C of inprocess-run leaves nothing."""
-    job = _Job(tmp_path)
+    job = _Job(tmp_path, "--spare-nodes", "1")
     try:
         _wait(lambda: _state(job.state_dir).get("wrapper_managed"), 90, "the Wrapper job")
-        standby = _wait(lambda: _standbys(job.job_id), 60, "a standby")
-        assert len(standby) == 1
+        # one per node slot, the spare's too (a relaunched node starts from it)
+        both = _wait(lambda: len(_standbys(job.job_id)) == 2 and _standbys(job.job_id), 60, "2")
+        slots = {p.pid: p.environ()["INPROCESS_NODE_SLOT"] for p in both}
+        assert sorted(slots.values()) == ["0", "1"]
+        standby = [p for p in both if slots[p.pid] == "0"]
         workers = _running_pids(job.state_dir)
         os.kill(workers[1], signal.SIGKILL)
         relaunched = _wait(
@@ -285,7 +288,7 @@ def test_standby_replaces_a_killed_worker_and_dies_with_the_controller(tmp_path)
         assert set(state["workers"]) == {"0", "1"}  # standbys are not workers
         assert state["worker_restarts"] == {"0": 0, "1": 1}
         replacement = _wait(
-            lambda: [p for p in _standbys(job.job_id) if p.pid != relaunched], 30, "a new standby"
+            lambda: [p for p in _standbys(job.job_id) if p.pid not in slots], 30, "a new standby"
         )
         # the controller dies: its standbys (and the spare store server) with it
         controller = int((job.state_dir / "controller.pid").read_text())
