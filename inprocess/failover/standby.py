@@ -26,6 +26,21 @@ used or dead standby in the background (the next ``wait``); one that keeps
 dying before it is ready stops the pool of its slot (logged), so a broken
 environment never turns into a spawn loop.
 
+Where standbys are kept: the controller asks the backend for ``--standby``
+standbys on *every* node slot, spares included, so that a node relaunched onto
+a spare slot (the policy's node relaunch) starts its workers from that slot's
+standbys, and a cold restart takes as many as there are. The local backend
+keeps them itself (:class:`StandbyPool`); the Ray backend's node agents keep
+theirs with the same pool, on their machines. With standbys on, the
+controller also keeps the next generation's store server started ahead
+(:class:`~inprocess.failover.store_server.SpareStoreServer`).
+
+What tools see: ``/proc/PID/environ`` (``ps e``, ``psutil``) shows the
+worker's variables once it is assigned (:func:`_show_environ` rewrites the
+initial environment block in place, room for it is reserved at spawn), so a
+worker is found by ``RANK`` as usual; ``/proc/PID/cmdline`` stays the
+standby's (``python -m inprocess.failover.standby FD PID``).
+
 What a standby cannot change: whatever the interpreter and the warm imports
 read from the environment *before* the assignment (``PYTHON*`` variables such as
 ``PYTHONPATH``, ``PYTHONHASHSEED``, ``PYTHONWARNINGS``; ``OMP_NUM_THREADS``,
@@ -134,10 +149,12 @@ class Standby:
         return self.ready
 
     def discard(self) -> None:
-        """Ends the standby (SIGKILL to its group: it runs nothing of the job yet)."""
+        """Ends the standby (SIGKILL: it runs nothing of the job yet). Never signals
+        a reaped pid (it may be another process's by now)."""
         self.sock.close()
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.process.pid, signal.SIGKILL)
+        if self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.kill()
         self.process.wait()
 
 
