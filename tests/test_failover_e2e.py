@@ -54,6 +54,9 @@ class Launch:
                 self.job_id,
                 "--monitor-interval",
                 "0.05",
+                # warm standbys cost every job a few `import torch` of CPU: only
+                # where a test asks (tests/test_failover_standby.py has their own)
+                *(() if "--standby" in flags else ("--standby", "0")),
                 *flags,
                 str(script),
                 "--result-dir",

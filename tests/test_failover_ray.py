@@ -117,6 +117,16 @@ def no_leaks():
     assert not leaked, f"leaked file descriptors: {leaked}"
 
 
+def _standby_pids(job_id: str) -> set[int]:
+    """Pids of the job's warm standbys (every Ray node of the cluster is this machine)."""
+    found = set()
+    for p in job_processes(job_id):
+        with contextlib.suppress(psutil.Error):
+            if "inprocess.failover.standby" in p.cmdline() and "RANK" not in p.environ():
+                found.add(p.pid)
+    return found
+
+
 class RayLaunch(Launch):
     """A job of 2 nodes x 2 workers on the module's Ray cluster."""
 
@@ -151,16 +161,21 @@ def test_worker_kill_controller_kill_and_node_loss(tmp_path, cluster):
         cluster,
         "--spare-nodes",
         "1",
+        "--standby",
+        "1",
         script_args=["--steps", "100000", "--step-time", "0.02"],
     ) as launch:
         wait_for(lambda: launch.running_at_step(10), launch, 150, "training")
         # 1. a worker dies: the survivors go on in-process, its replacement rejoins
+        # (made from a warm standby of its node's agent)
+        standbys = _standby_pids(launch.job_id)
         killed_at = time.time()
         # state.json has slot-qualified pids (one machine's pids may equal another's)
         slot, pid = split_worker_pid(launch.state()["workers"]["1"]["pid"])
         assert slot == launch.state()["node_slots"]["0"]
         os.kill(pid, signal.SIGKILL)
         wait_for(lambda: launch.full_size_since(killed_at), launch, 90, "full size again")
+        assert split_worker_pid(launch.state()["workers"]["1"]["pid"])[1] in standbys
         # 2. the controller actor's process dies: Ray restarts it, it recovers
         first = int((launch.state_dir / "controller.pid").read_text())
         os.kill(first, signal.SIGKILL)
@@ -180,9 +195,13 @@ def test_worker_kill_controller_kill_and_node_loss(tmp_path, cluster):
         wait_for(lambda: launch.running_at_step(step + 20), launch, 60, "progress")
         # 3. the Ray node of job node 1 (workers 2, 3) goes away
         victim = cluster_node(cluster, launch.nodes()[str(launch.state()["node_slots"]["1"])])
+        standbys = _standby_pids(launch.job_id)  # the spare slot's among them
         lost_at = time.time()
         cluster.remove_node(victim)
         wait_for(lambda: launch.full_size_since(lost_at), launch, 120, "full size after loss")
+        # the relaunched node's workers start from the spare slot's standby (one per node)
+        moved = {split_worker_pid(launch.state()["workers"][w]["pid"])[1] for w in ("2", "3")}
+        assert moved & standbys
         launch.stop()
         check_clean_success(launch, None, timeout=240)
         state = launch.state()

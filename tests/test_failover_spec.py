@@ -93,6 +93,7 @@ INVALID = [
     ("tee", "0:1,x", "JobSpec.tee must be 0 (none)"),
     ("local_ranks_filter", [], "JobSpec.local_ranks_filter must be None or a non-empty list"),
     ("local_ranks_filter", [-1], "JobSpec.local_ranks_filter"),
+    ("standby", -1, "JobSpec.standby must be an integer >= 0, got -1"),
 ]
 
 

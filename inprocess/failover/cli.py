@@ -183,6 +183,13 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--log-level", default="INFO", help="controller log level (default INFO)")
     p.add_argument(
+        "--standby",
+        type=int,
+        default=1,
+        help="warm standby processes per node (torch imported, waiting to replace a worker "
+        "at once); 0 turns them off (default 1)",
+    )
+    p.add_argument(
         "script", help="the training script (with -m: a module; with --no-python: a program)"
     )
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments of the script")
@@ -251,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
             redirects=args.redirects,
             tee=args.tee,
             local_ranks_filter=args.local_ranks_filter,
+            standby=args.standby,
         )
     except SpecError as ex:
         return _error(_flag_names(str(ex)))

@@ -57,8 +57,9 @@ from .policy import (
     WorkerReported,
 )
 from .processes import process_start_time
+from .standby import common_env
 from .state import JobState, Stage, StateStore, WorkerStatus
-from .store_server import StoreServer, start_store_server
+from .store_server import SpareStoreServer, StoreServer, start_store_server
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +114,8 @@ class Controller:
         self._store_fd: int | None = None  # pidfd of the store server
         self._store_stopped_since: float | None = None
         self._no_member_since: float | None = None
+        #: the next generation's store server, started ahead (``--standby`` > 0)
+        self._spare_server: SpareStoreServer | None = None
 
     # ---------------------------------------------------------------- main loop
 
@@ -451,11 +454,7 @@ class Controller:
         """A new store server (a fresh key space) and every worker (a cold start)."""
         self._stop_server()
         self._no_member_since = None
-        start = getattr(self.backend, "start_store_server", None)
-        if start is None:
-            self.server = start_store_server(self.spec.master_addr, port=self.spec.master_port)
-        else:
-            self.server = start(self.spec.master_addr)
+        self.server = self._new_server()
         state = self.state.copy()
         state.store = {
             "host": self.server.host,
@@ -469,6 +468,39 @@ class Controller:
         self._first_call = 0
         for worker in sorted(self.state.workers):
             self.start_worker(worker)
+        self._prepare_ahead()
+
+    def _new_server(self) -> StoreServer:
+        """The spare store server if one is ready ahead, else a new one."""
+        spare, self._spare_server = self._spare_server, None
+        if spare is not None:
+            server = spare.take()
+            if server is not None:
+                return server
+            log.warning("the spare store server is gone: starting a new one")
+        start = getattr(self.backend, "start_store_server", None)
+        if start is not None:
+            server: StoreServer = start(self.spec.master_addr)
+            return server
+        return start_store_server(self.spec.master_addr, port=self.spec.master_port)
+
+    def _prepare_ahead(self) -> None:
+        """With ``--standby N`` (N > 0): N warm standbys on every node slot (spares
+        included, for a relaunched node), and the next generation's store server."""
+        count = self.spec.standby
+        if count <= 0 or self.server is None:
+            return
+        keep = getattr(self.backend, "keep_standbys", None)
+        if keep is not None:
+            for slot in range(self.spec.num_slots):
+                keep(slot, count, common_env(self.worker_env(0, 0, slot)))
+        # a fixed --master-port is the running server's until it stops: no spare
+        if (
+            self._spare_server is None
+            and not self.spec.master_port
+            and not hasattr(self.backend, "start_store_server")
+        ):
+            self._spare_server = SpareStoreServer(self.spec.master_addr)
 
     def start_worker(self, worker: int) -> None:
         record = self.state.workers[worker]
@@ -552,6 +584,7 @@ class Controller:
         store = self.state.store
         if store and process_start_time(store["pid"]) == store.get("start_time"):
             self.server = StoreServer(store["host"], store["port"], store["pid"])
+            self._prepare_ahead()
         else:
             event = StoreLost(
                 self.state.generation, "the store server was lost while the controller was down"
@@ -565,6 +598,9 @@ class Controller:
         """Stops every live worker and the store server; the job is STOPPED."""
         self.stop_workers(list(self.state.workers))
         self._stop_server()
+        if self._spare_server is not None:
+            self._spare_server.discard()
+            self._spare_server = None
         self.commit(policy.stopped(self.state, now=time.time()))
 
     def _stop_server(self) -> None:

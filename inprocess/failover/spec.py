@@ -114,6 +114,8 @@ class JobSpec:
         tee: streams written to the log files and copied to the console.
         local_ranks_filter: local ranks whose output reaches the console
             (``None``: all); the others' output goes to their files or nowhere.
+        standby: warm standby processes kept per node slot (>= 0; 0: none), see
+            :mod:`inprocess.failover.standby`.
     """
 
     job_id: str
@@ -134,6 +136,7 @@ class JobSpec:
     redirects: str = "0"
     tee: str = "0"
     local_ranks_filter: tuple[int, ...] | None = None
+    standby: int = 1
 
     def __post_init__(self) -> None:
         self.validate()
@@ -177,6 +180,7 @@ class JobSpec:
         _check_int("per_node_max_failures", self.per_node_max_failures, 1)
         _check_int("job_max_restarts", self.job_max_restarts, 0)
         _check_int("node_max_relaunches", self.node_max_relaunches, 0)
+        _check_int("standby", self.standby, 0)
 
         state_dir = self.state_dir
         if isinstance(state_dir, os.PathLike):

@@ -12,6 +12,14 @@ Run as ``python -m inprocess.failover.store_server HOST READY_FD [PORT]``: binds
 ``PORT`` (default: a free one) of ``HOST`` (that address only, see
 :mod:`inprocess.security`), writes the port as text to ``READY_FD``, then
 serves until SIGTERM.
+
+With warm standbys on (``inprocess-run --standby N``, N > 0) the controller
+keeps the *next* generation's server started ahead (:class:`SpareStoreServer`),
+so a cold restart never waits for a server's start-up (``import torch``).
+Such a server runs as ``... HOST READY_FD 0 HOLD_FD PARENT_PID``: it dies with
+its parent (``PR_SET_PDEATHSIG``, and EOF on ``HOLD_FD``) until the parent
+takes it into use (``go`` on ``HOLD_FD``; ``keep`` keeps the tie, for a host
+whose servers must die with it), so a spare never outlives a crashed controller.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -75,11 +84,7 @@ def start_store_server(
     ``preexec_fn`` runs in the child before the server starts (e.g. to tie its
     life to its parent's). ``port``: the port to bind (0: a free one)."""
     ready_r, ready_w = os.pipe()
-    env = dict(os.environ)
-    # torch's store server resolves the name of every client that connects, for
-    # its logs; with an unreachable DNS server that stalls the whole server for
-    # the resolver's timeout (5 s by default). Bound it, unless the user chose.
-    env.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
+    env = _server_env()
     try:
         process = subprocess.Popen(
             [
@@ -113,9 +118,100 @@ def start_store_server(
     return StoreServer(host, int(text), process.pid)
 
 
+class SpareStoreServer:
+    """A store server started ahead of need; :meth:`take` makes it the job's."""
+
+    def __init__(self, host: str, preexec_fn: Callable[[], None] | None = None) -> None:
+        self.host = host
+        ready_r, ready_w = os.pipe()
+        hold_r, self._hold = os.pipe()
+        try:
+            self.process = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "inprocess.failover.store_server",
+                    host,
+                    str(ready_w),
+                    "0",
+                    str(hold_r),
+                    str(os.getpid()),
+                ],
+                pass_fds=(ready_w, hold_r),
+                start_new_session=True,
+                stdin=subprocess.DEVNULL,
+                env=_server_env(),
+                preexec_fn=preexec_fn,
+            )
+        except BaseException:
+            os.close(ready_r)
+            os.close(self._hold)
+            raise
+        finally:
+            os.close(ready_w)
+            os.close(hold_r)
+        self._ready = os.fdopen(ready_r, "rb")
+
+    def take(self, timeout: float = 60.0, die_with_parent: bool = False) -> StoreServer | None:
+        """The server, once it accepts connections (waits up to ``timeout``), no
+        longer tied to our life unless ``die_with_parent``; ``None`` if it died."""
+        try:
+            port = _read_port(self._ready, timeout)
+            if port is None or self.process.poll() is not None:
+                return None
+            os.write(self._hold, b"keep\n" if die_with_parent else b"go\n")
+            return StoreServer(self.host, port, self.process.pid)
+        except OSError:
+            return None
+        finally:
+            self._close_pipes()
+
+    def discard(self) -> None:
+        """Ends the spare (it serves nobody yet)."""
+        self._close_pipes()
+        with contextlib.suppress(ProcessLookupError):
+            self.process.kill()
+        self.process.wait()
+
+    def _close_pipes(self) -> None:
+        if not self._ready.closed:
+            self._ready.close()
+        if self._hold >= 0:
+            os.close(self._hold)
+            self._hold = -1
+
+
+def _server_env() -> dict[str, str]:
+    env = dict(os.environ)
+    # torch's store server resolves the name of every client that connects, for
+    # its logs; with an unreachable DNS server that stalls the whole server for
+    # the resolver's timeout (5 s by default). Bound it, unless the user chose.
+    env.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
+    return env
+
+
+def _read_port(ready: Any, timeout: float) -> int | None:
+    import select
+
+    readable, _, _ = select.select([ready], [], [], timeout)
+    text = ready.readline().decode().strip() if readable else ""
+    return int(text) if text else None
+
+
+def _tie_to_parent(parent: int) -> bool:
+    """A spare dies with ``parent`` until it is taken; ``False`` if it is gone already."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+    return os.getppid() == parent
+
+
 def main() -> int:
     host, ready_fd = sys.argv[1], int(sys.argv[2])
     port = int(sys.argv[3]) if len(sys.argv) > 3 else 0
+    hold_fd = int(sys.argv[4]) if len(sys.argv) > 4 else None
+    if hold_fd is not None and not _tie_to_parent(int(sys.argv[5])):
+        return 0
     stop = False
 
     def on_term(signum: int, frame: object) -> None:
@@ -142,6 +238,22 @@ def main() -> int:
     )
     with os.fdopen(ready_fd, "w") as ready:
         ready.write(f"{store.port}\n")
+    if hold_fd is not None:
+        # A spare: serve nobody until taken; end if our parent is gone (EOF).
+        import ctypes
+        import select
+
+        word = b""
+        while not stop and not word:
+            with contextlib.suppress(InterruptedError):
+                if select.select([hold_fd], [], [], 0.1)[0]:
+                    word = os.read(hold_fd, 16) or b"eof"
+        os.close(hold_fd)
+        if stop or not word.startswith((b"go", b"keep")):
+            del store
+            return 0
+        if word.startswith(b"go"):
+            ctypes.CDLL(None, use_errno=True).prctl(1, 0, 0, 0, 0)  # outlive a controller crash
     while not stop:  # (signal.pause() could miss a SIGTERM arriving before it)
         time.sleep(0.1)
     del store

@@ -38,6 +38,11 @@ Optional, for an engine that sees machines come and go:
 * ``start_store_server(host) -> StoreServer``: hosts the job's store server
   somewhere that outlives a restart of the controller (by default the
   controller starts it as a process of its own).
+* ``keep_standbys(slot, count, env)``: keeps ``count`` warm standby processes
+  for the workers of node slot ``slot`` (``env``: the environment common to
+  them), which ``start`` turns into workers of that slot
+  (:mod:`inprocess.failover.standby`). ``close`` ends them. Called only with
+  ``--standby`` > 0.
 
 A backend is built by :func:`create_backend` from its name and the job's state
 directory (where it may keep files that outlive a controller). The methods are

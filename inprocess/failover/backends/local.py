@@ -5,6 +5,13 @@ death is observed directly through pidfds, for children and for workers that
 an earlier controller started (after a controller crash they are orphans; the
 supervisor reaps them and the backend records how they ended, see
 :meth:`LocalBackend.record_exit`).
+
+Warm standbys (:mod:`inprocess.failover.standby`): :meth:`LocalBackend.keep_standbys`
+keeps pre-imported processes per slot; :meth:`LocalBackend.start` turns one of
+the slot's into the worker when it can, else spawns it. Both go through one
+spawn path (:meth:`LocalBackend._spawn`) and one choice of the worker's stdio
+(:meth:`LocalBackend._stdio`), so a standby-made worker is started, routed and
+watched like a spawned one.
 """
 
 from __future__ import annotations
@@ -17,9 +24,12 @@ import select
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from ..processes import process_start_time
+from ..standby import StandbyPool
 from . import ProcessExit, WorkerLaunch
 
 log = logging.getLogger(__name__)
@@ -71,13 +81,63 @@ class LocalBackend:
         self._children: dict[int, subprocess.Popen[bytes]] = {}
         self._pidfds: dict[int, int] = {}
         self._poller = select.poll()
+        self.standbys = StandbyPool(self._spawn_standby, die_with_parent)
 
     def start(self, launch: WorkerLaunch) -> tuple[int, float]:
-        process = spawn_worker(launch, self.die_with_parent)
+        with self._stdio(launch) as stdio:
+            process = None
+            with _stdio_fds(stdio) as fds:
+                if fds is not None:
+                    process = self.standbys.take(launch.slot, launch.argv, launch.env, fds)
+            if process is None:
+                process = self._spawn(list(launch.argv), launch.env, **stdio)
         self._children[process.pid] = process
         self._watch(process.pid)
         start_time = process_start_time(process.pid)
         return process.pid, start_time if start_time is not None else 0.0
+
+    @contextlib.contextmanager
+    def _stdio(self, launch: WorkerLaunch) -> Iterator[dict[str, Any]]:
+        """The ``stdin``/``stdout``/``stderr`` arguments of ``Popen`` for a worker,
+        open inside the block; a standby-made worker gets the same files.
+
+        stdin from ``/dev/null``; stdout and stderr appended to ``launch.stdout`` /
+        ``launch.stderr`` (their directories created) or inherited when ``None``.
+        Appending keeps the output of every incarnation of a worker in its file.
+        """
+        with contextlib.ExitStack() as files:
+            stdio: dict[str, Any] = {"stdin": subprocess.DEVNULL}
+            for name, path in (("stdout", launch.stdout), ("stderr", launch.stderr)):
+                if path is None:
+                    continue
+                if path != os.devnull:
+                    Path(path).parent.mkdir(parents=True, exist_ok=True)
+                stdio[name] = files.enter_context(open(path, "ab"))
+            yield stdio
+
+    def _spawn(
+        self, argv: list[str], env: dict[str, str], pass_fds: tuple[int, ...] = (), **stdio: Any
+    ) -> subprocess.Popen[bytes]:
+        """The one way a process of the job (worker or standby) is started here: its
+        own session and process group; dies with us if :attr:`die_with_parent`."""
+        return subprocess.Popen(
+            argv,
+            env=env,
+            start_new_session=True,
+            pass_fds=pass_fds,
+            preexec_fn=kill_on_parent_death if self.die_with_parent else None,
+            **stdio,
+        )
+
+    def _spawn_standby(
+        self, argv: list[str], env: dict[str, str], pass_fds: tuple[int, ...]
+    ) -> subprocess.Popen[bytes]:
+        return self._spawn(argv, env, pass_fds, stdin=subprocess.DEVNULL)
+
+    def keep_standbys(self, slot: int, count: int, env: dict[str, str]) -> None:
+        """Keeps ``count`` warm standbys for the workers of ``slot``, spawned with
+        ``env`` (the workers' common environment); 0 ends those it has."""
+        self.standbys.keep(slot, count, env)
 
     def running(self, pid: int, start_time: float | None) -> bool:
         return process_start_time(pid) == start_time
@@ -118,6 +178,7 @@ class LocalBackend:
         return process_start_time(pid) is not None
 
     def wait(self, timeout: float) -> list[ProcessExit]:
+        self.standbys.maintain()  # a used or dead standby is replaced in the background
         ready = self._poller.poll(timeout * 1000) if self._pidfds else []
         if not self._pidfds:
             time.sleep(timeout)
@@ -154,6 +215,8 @@ class LocalBackend:
             os.rmdir(self.exits_dir)
 
     def close(self) -> None:
+        """Ends the standbys; workers keep running."""
+        self.standbys.close()
         for pid in list(self._pidfds):
             fd = self._pidfds.pop(pid)
             with contextlib.suppress(OSError):
@@ -162,32 +225,33 @@ class LocalBackend:
         self._children.clear()
 
 
-def spawn_worker(launch: WorkerLaunch, die_with_parent: bool = False) -> subprocess.Popen[bytes]:
-    """Starts one worker process: the one place where a worker is spawned.
-
-    In a session (and process group) of its own, stdin from ``/dev/null``,
-    stdout and stderr appended to ``launch.stdout`` / ``launch.stderr`` (their
-    directories created) or inherited when ``None``. Appending keeps the output
-    of every incarnation of a worker in its file.
-    """
-    with contextlib.ExitStack() as files:
-        streams = []
-        for path in (launch.stdout, launch.stderr):
-            if path is None:
-                streams.append(None)
-                continue
-            if path != os.devnull:
-                Path(path).parent.mkdir(parents=True, exist_ok=True)
-            streams.append(files.enter_context(open(path, "ab")))
-        return subprocess.Popen(
-            list(launch.argv),
-            env=launch.env,
-            start_new_session=True,
-            stdin=subprocess.DEVNULL,
-            stdout=streams[0],
-            stderr=streams[1],
-            preexec_fn=kill_on_parent_death if die_with_parent else None,
-        )
+@contextlib.contextmanager
+def _stdio_fds(stdio: dict[str, Any]) -> Iterator[tuple[int, int, int] | None]:
+    """The file descriptors that ``Popen(**stdio)`` would give a child as 0, 1, 2
+    (``None`` for a pipe, which only ``Popen`` can make); valid inside the block."""
+    opened: list[int] = []
+    fds: list[int] = []
+    try:
+        for target, name in enumerate(("stdin", "stdout", "stderr")):
+            value = stdio.get(name)
+            if value is None:
+                fds.append(target)  # inherited
+            elif value == subprocess.DEVNULL:
+                opened.append(os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC))
+                fds.append(opened[-1])
+            elif value == subprocess.STDOUT and target == 2:
+                fds.append(fds[1])
+            elif value == subprocess.PIPE:
+                yield None
+                return
+            elif isinstance(value, int):
+                fds.append(value)
+            else:
+                fds.append(value.fileno())
+        yield fds[0], fds[1], fds[2]
+    finally:
+        for fd in opened:
+            os.close(fd)
 
 
 def kill_on_parent_death() -> None:

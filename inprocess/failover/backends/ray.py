@@ -9,7 +9,9 @@ Who runs where (all actors in the Ray namespace :data:`NAMESPACE`, named after t
   included): pinned to its bundle of the job's ``STRICT_SPREAD`` placement
   group, so each slot is a different Ray node. It starts and watches that
   node's worker processes with the local backend's process code; the workers
-  are SIGKILLed by the kernel when the agent's process dies.
+  are SIGKILLed by the kernel when the agent's process dies. It keeps the
+  node's warm standbys (``--standby``) with the local backend's standby pool
+  (:mod:`inprocess.failover.standby`): they die with the agent too.
 * the controller actor (:mod:`inprocess.failover.ray_driver`) uses
   :class:`RayBackend`, which implements :class:`~inprocess.failover.backends.Backend`
   by calling the agents.
@@ -35,7 +37,8 @@ from typing import Any
 import ray
 
 from ..processes import process_start_time
-from ..store_server import StoreServer, start_store_server
+from ..standby import common_env
+from ..store_server import SpareStoreServer, StoreServer, start_store_server
 from . import ProcessExit, WorkerLaunch
 from .local import LocalBackend, kill_on_parent_death
 
@@ -126,6 +129,17 @@ class NodeAgent:
         self._started[pid] = start_time
         return pid, start_time
 
+    def keep_standbys(self, count: int, env: dict[str, str]) -> None:
+        """Keeps ``count`` warm standbys with this node's environment plus the job's
+        common ``env``; replaced in the background on every :meth:`poll`."""
+        full_env = dict(os.environ)
+        full_env.update(env)
+        self._backend.keep_standbys(self.slot, count, common_env(full_env))
+
+    def standbys(self) -> list[int]:
+        """Pids of this node's standbys (tests)."""
+        return self._backend.standbys.standbys(self.slot)
+
     def poll(self) -> list[ProcessExit]:
         """Exits seen since the last poll (never blocks)."""
         self._collect()
@@ -181,6 +195,7 @@ class JobHost:
         os.environ.update(env)
         self._agents: dict[int, Any] = {}
         self._stores: list[StoreServer] = []
+        self._spare: SpareStoreServer | None = None
 
     def start_agents(self) -> list[dict[str, Any]]:
         """An agent on every slot, started together; returns where each runs."""
@@ -242,11 +257,20 @@ class JobHost:
             with contextlib.suppress(Exception):
                 ray.kill(handle)
 
-    def start_store_server(self, host: str) -> StoreServer:
-        """A store server, child of this actor, killed by the kernel if this actor dies."""
+    def start_store_server(self, host: str, spare: bool = False) -> StoreServer:
+        """A store server, child of this actor, killed by the kernel if this actor dies.
+
+        With ``spare``, the next one is started ahead (the next call returns it)."""
         self._stores = [s for s in self._stores if s.alive()]
-        server = start_store_server(host, preexec_fn=kill_on_parent_death)
+        server = None
+        if self._spare is not None and self._spare.host == host:
+            server = self._spare.take(die_with_parent=True)
+            self._spare = None
+        if server is None:
+            server = start_store_server(host, preexec_fn=kill_on_parent_death)
         self._stores.append(server)
+        if spare and self._spare is None:
+            self._spare = SpareStoreServer(host, preexec_fn=kill_on_parent_death)
         return server
 
     def shutdown(self, grace: float) -> None:
@@ -264,6 +288,9 @@ class JobHost:
         for server in self._stores:
             server.stop()
         self._stores.clear()
+        if self._spare is not None:
+            self._spare.discard()
+            self._spare = None
 
 
 def _died(ex: BaseException) -> bool:
@@ -299,6 +326,7 @@ class RayBackend:
         self._last_node_check = 0.0
         self._base_env = dict(os.environ)
         self._placeholders = 0
+        self.standby = spec.standby
 
     # -- agents
 
@@ -357,10 +385,24 @@ class RayBackend:
 
     # -- Backend
 
+    def _job_env(self, env: dict[str, str]) -> dict[str, str]:
+        """The job's variables only: the rest of the environment is the node's own."""
+        job = {k: v for k, v in env.items() if self._base_env.get(k) != v}
+        job.update({k: v for k, v in env.items() if k.startswith("INPROCESS_")})
+        return job
+
+    def keep_standbys(self, slot: int, count: int, env: dict[str, str]) -> None:
+        """Asks the agent of ``slot`` (if it runs) to keep ``count`` warm standbys."""
+        handle = self._existing_agent(slot)
+        if handle is None:
+            return
+        try:
+            ray.get(handle.keep_standbys.remote(count, self._job_env(env)), timeout=CALL_TIMEOUT)
+        except (ray.exceptions.RayError, TimeoutError) as ex:
+            log.warning("no standbys on node slot %d: %s", slot, ex)
+
     def start(self, launch: WorkerLaunch) -> tuple[int, float]:
-        # The job's variables only: the rest of the environment is the node's own.
-        env = {k: v for k, v in launch.env.items() if self._base_env.get(k) != v}
-        env.update({k: v for k, v in launch.env.items() if k.startswith("INPROCESS_")})
+        env = self._job_env(launch.env)
         bare = WorkerLaunch(
             launch.worker, launch.incarnation, launch.node, launch.slot, launch.argv, {}
         )
@@ -479,7 +521,9 @@ class RayBackend:
 
     def start_store_server(self, host: str) -> StoreServer:
         """The store server is hosted by the job's host actor: it outlives this controller."""
-        server: StoreServer = ray.get(self.host.start_store_server.remote(host), timeout=90)
+        server: StoreServer = ray.get(
+            self.host.start_store_server.remote(host, self.standby > 0), timeout=90
+        )
         return server
 
     def close(self) -> None:

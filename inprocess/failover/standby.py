@@ -1,0 +1,409 @@
+"""Warm standby workers: pre-imported processes that become a worker at once.
+
+Starting a worker costs seconds, most of it ``import torch``. A backend keeps a
+few *standbys* per node slot (``inprocess-run --standby N``, default 1; 0: none,
+every worker is spawned as before): processes that have already imported
+``torch``, ``torch.distributed`` and ``inprocess`` and wait for an assignment.
+When a worker of that slot is to be started, a standby takes its place:
+
+* the backend sends it, over a unix socket pair made when it was spawned, the
+  worker's command line, environment and working directory, and the worker's
+  stdin/stdout/stderr as file descriptors (``SCM_RIGHTS``): the ones the
+  backend's single spawn path would give a fresh worker, so output goes where
+  any worker's goes;
+* the standby puts those fds on 0/1/2, replaces ``os.environ`` by the worker's
+  environment exactly, changes directory, sets ``sys.argv`` and ``sys.path[0]``
+  as ``python SCRIPT`` / ``python -m MODULE`` would, and runs the script with
+  :mod:`runpy` as ``__main__``. Its exit status is the script's.
+
+It is the worker from then on: same pid (the backend watches it by pidfd like a
+spawned worker, it is the backend's child, so the supervisor records its exit
+after a controller crash like any orphan's), its own session and process group
+(it was spawned with ``start_new_session``), the job's run token in its
+environment (cleanup finds it). Standbys are not workers: they hold no rank,
+are not in the job's state, never count as restarts. The backend replaces a
+used or dead standby in the background (the next ``wait``); one that keeps
+dying before it is ready stops the pool of its slot (logged), so a broken
+environment never turns into a spawn loop.
+
+Where standbys are kept: the controller asks the backend for ``--standby``
+standbys on *every* node slot, spares included, so that a node relaunched onto
+a spare slot (the policy's node relaunch) starts its workers from that slot's
+standbys, and a cold restart takes as many as there are. The local backend
+keeps them itself (:class:`StandbyPool`); the Ray backend's node agents keep
+theirs with the same pool, on their machines. With standbys on, the
+controller also keeps the next generation's store server started ahead
+(:class:`~inprocess.failover.store_server.SpareStoreServer`).
+
+What tools see: ``/proc/PID/environ`` (``ps e``, ``psutil``) shows the
+worker's variables once it is assigned (:func:`_show_environ` rewrites the
+initial environment block in place, room for it is reserved at spawn), so a
+worker is found by ``RANK`` as usual; ``/proc/PID/cmdline`` stays the
+standby's (``python -m inprocess.failover.standby FD PID``).
+
+What a standby cannot change: whatever the interpreter and the warm imports
+read from the environment *before* the assignment (``PYTHON*`` variables such as
+``PYTHONPATH``, ``PYTHONHASHSEED``, ``PYTHONWARNINGS``; ``OMP_NUM_THREADS``,
+``MKL_*``, ``TORCH_*`` read when torch is imported). A standby is therefore
+spawned with the environment common to every worker of its slot (everything
+``inprocess-run`` sets but the per-worker and per-generation variables:
+``RANK``, ``LOCAL_RANK``, ``GROUP_RANK``, ``ROLE_RANK``, ``MASTER_ADDR``,
+``MASTER_PORT``, ``TORCHELASTIC_RESTART_COUNT``, ``INPROCESS_STORE_NAMESPACE``,
+``INPROCESS_WORKER_INCARNATION``, see :data:`PER_WORKER_ENV`), so those
+variables have the values a fresh worker would see. Also not the same as a
+fresh interpreter: ``sys.orig_argv``, and modules the script would import
+anyway are already imported (their import-time side effects happened with the
+common environment). Only ``python SCRIPT ...`` and ``python -m MODULE ...``
+with the backend's own interpreter and no interpreter options can run on a
+standby; any other command is spawned as usual.
+
+Process invariants (enforced in :func:`main`):
+
+* a standby has no threads, no CUDA context and no distributed state until it
+  runs the script (the warm imports create none);
+* it dies with the process that spawned it while it is a standby
+  (``PR_SET_PDEATHSIG`` = SIGKILL, and EOF on its socket): a controller killed
+  by SIGKILL leaves no standby behind. Once assigned it keeps that tie only if
+  the backend's workers die with their parent (a Ray node agent); a local
+  worker must outlive a controller crash, so the tie is cleared.
+* the backend's end of the socket is not inheritable: only the backend can
+  hold it open, so EOF means the backend is gone (or stopped the standby).
+
+Run as ``python -m inprocess.failover.standby SOCKET_FD PARENT_PID``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import json
+import logging
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+#: variables of a worker's environment that differ between the workers of a slot
+#: (or between generations): a standby is spawned without them, they come with
+#: its assignment
+PER_WORKER_ENV = (
+    "RANK",
+    "LOCAL_RANK",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RESTART_COUNT",
+    "INPROCESS_STORE_NAMESPACE",
+    "INPROCESS_WORKER_INCARNATION",
+)
+#: a standby that dies this many times in a row before it is ready stops its slot's pool
+MAX_EARLY_DEATHS = 3
+#: a standby's own variable, room in its initial environment block for the worker's
+#: per-worker variables (see :func:`_show_environ`)
+ROOM_ENV = "INPROCESS_STANDBY_ROOM"
+ROOM_SIZE = 4096
+_PR_SET_PDEATHSIG = 1
+_HEADER = struct.Struct("!Q")
+_READY = b"R"
+
+
+def common_env(env: dict[str, str]) -> dict[str, str]:
+    """A worker's environment without the per-worker variables (a standby's own)."""
+    return {k: v for k, v in env.items() if k not in PER_WORKER_ENV}
+
+
+def can_run(argv: tuple[str, ...] | list[str]) -> bool:
+    """Whether a standby can run the worker command ``argv``: ``python SCRIPT ...``
+    or ``python -m MODULE ...`` with this interpreter and no interpreter options."""
+    if len(argv) < 2 or argv[0] != sys.executable:
+        return False
+    if argv[1] == "-m":
+        return len(argv) >= 3 and bool(argv[2])
+    return not argv[1].startswith("-")
+
+
+@dataclasses.dataclass
+class Standby:
+    """One standby process of a slot, as its backend sees it."""
+
+    process: subprocess.Popen[bytes]
+    sock: socket.socket  # the backend's end (not inheritable)
+    slot: int
+    env: dict[str, str]
+    ready: bool = False
+
+    def check_ready(self) -> bool:
+        """Reads the standby's readiness byte if it has come (never blocks)."""
+        if not self.ready:
+            with contextlib.suppress(BlockingIOError, OSError):
+                if self.sock.recv(1, socket.MSG_DONTWAIT) == _READY:
+                    self.ready = True
+        return self.ready
+
+    def discard(self) -> None:
+        """Ends the standby (SIGKILL: it runs nothing of the job yet). Never signals
+        a reaped pid (it may be another process's by now)."""
+        self.sock.close()
+        if self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.kill()
+        self.process.wait()
+
+
+#: spawns a process: (argv, env, pass_fds) -> the child (the backend's one spawn path)
+Spawn = Callable[[list[str], dict[str, str], tuple[int, ...]], "subprocess.Popen[bytes]"]
+
+
+class StandbyPool:
+    """The standbys of a backend, per node slot.
+
+    Used from one thread (the backend's caller). Invariants: every standby in
+    :attr:`_standbys` is a child of this process that nobody else holds; a
+    standby leaves the pool exactly once, by :meth:`take` (it becomes a worker,
+    the backend watches it) or by :meth:`discard`-ing it (dead, unwanted, or
+    the pool is closed).
+    """
+
+    def __init__(self, spawn: Spawn, die_with_parent: bool) -> None:
+        self._spawn = spawn
+        self.die_with_parent = die_with_parent
+        self._wanted: dict[int, tuple[int, dict[str, str]]] = {}  # slot -> (count, env)
+        self._standbys: dict[int, list[Standby]] = {}
+        self._early_deaths: dict[int, int] = {}
+
+    def keep(self, slot: int, count: int, env: dict[str, str]) -> None:
+        """Keeps ``count`` standbys for ``slot``, spawned with environment ``env``
+        (the workers' common environment: see :func:`common_env`)."""
+        if count < 0:
+            raise ValueError(f"count must be >= 0, got {count}")
+        env = dict(env)
+        if self._wanted.get(slot, (None, None))[1] != env:
+            for standby in self._standbys.pop(slot, []):  # made for another environment
+                standby.discard()
+            self._early_deaths.pop(slot, None)
+        self._wanted[slot] = (count, env)
+        self.maintain()
+
+    def standbys(self, slot: int) -> list[int]:
+        """Pids of the standbys of ``slot`` (tests, logs)."""
+        return [s.process.pid for s in self._standbys.get(slot, [])]
+
+    def take(
+        self, slot: int, argv: tuple[str, ...], env: dict[str, str], stdio: tuple[int, int, int]
+    ) -> subprocess.Popen[bytes] | None:
+        """A standby of ``slot`` turned into the worker ``argv`` with ``env`` and the
+        file descriptors ``stdio`` (stdin, stdout, stderr); ``None`` if there is none
+        (or the command cannot run on one): the caller spawns the worker then.
+
+        Ready standbys first; one still importing is better than none (it runs
+        the worker as soon as its imports are done). Its replacement is spawned
+        by the next :meth:`maintain`.
+        """
+        if not can_run(argv):
+            return None
+        pool = self._standbys.get(slot, [])
+        pool.sort(key=lambda s: not s.check_ready())
+        while pool:
+            standby = pool.pop(0)
+            if standby.process.poll() is not None:
+                standby.discard()
+                continue
+            try:
+                message = {
+                    "argv": list(argv),
+                    "env": env,
+                    "cwd": os.getcwd(),
+                    "die_with_parent": self.die_with_parent,
+                }
+                _send(standby.sock, message, stdio)
+            except OSError as ex:  # it died meanwhile
+                log.debug("standby %d of slot %d is gone: %s", standby.process.pid, slot, ex)
+                standby.discard()
+                continue
+            standby.sock.close()  # the standby needs nothing more from us
+            log.debug("standby %d of slot %d becomes a worker", standby.process.pid, slot)
+            return standby.process
+        return None
+
+    def maintain(self) -> None:
+        """Replaces dead standbys and fills every slot up to its count (never blocks
+        on a standby: a new one imports in the background)."""
+        for slot, (count, env) in self._wanted.items():
+            pool = self._standbys.setdefault(slot, [])
+            for standby in list(pool):
+                if standby.process.poll() is None:
+                    if standby.check_ready():
+                        self._early_deaths[slot] = 0
+                    continue
+                pool.remove(standby)
+                early = not standby.check_ready()
+                log.warning(
+                    "standby %d of node slot %d ended (exit code %s)%s: replacing it",
+                    standby.process.pid,
+                    slot,
+                    standby.process.returncode,
+                    " before it was ready" if early else "",
+                )
+                standby.discard()
+                if early:
+                    self._early_deaths[slot] = self._early_deaths.get(slot, 0) + 1
+                    if self._early_deaths[slot] == MAX_EARLY_DEATHS:
+                        log.error(
+                            "standbys of node slot %d died %d times in a row before they were "
+                            "ready: no more standbys for it (workers are spawned)",
+                            slot,
+                            MAX_EARLY_DEATHS,
+                        )
+            if self._early_deaths.get(slot, 0) >= MAX_EARLY_DEATHS:
+                continue
+            while len(pool) < count:
+                pool.append(self._start(slot, env))
+            while len(pool) > count:
+                pool.pop().discard()
+
+    def _start(self, slot: int, env: dict[str, str]) -> Standby:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            argv = [
+                sys.executable,
+                "-m",
+                "inprocess.failover.standby",
+                str(theirs.fileno()),
+                str(os.getpid()),
+            ]
+            process = self._spawn(argv, {**env, ROOM_ENV: "." * ROOM_SIZE}, (theirs.fileno(),))
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        return Standby(process, ours, slot, env)
+
+    def close(self) -> None:
+        """Ends every standby (the job is over, or the backend is closed)."""
+        self._wanted.clear()
+        for pool in self._standbys.values():
+            for standby in pool:
+                standby.discard()
+        self._standbys.clear()
+
+
+def _send(sock: socket.socket, message: dict[str, Any], fds: tuple[int, int, int]) -> None:
+    payload = json.dumps(message).encode()
+    data = _HEADER.pack(len(payload)) + payload
+    sent = socket.send_fds(sock, [data], list(fds))
+    if sent < len(data):
+        sock.sendall(data[sent:])
+
+
+def _receive(sock: socket.socket) -> tuple[dict[str, Any], list[int]] | None:
+    """The assignment and its fds; ``None`` on EOF (the backend is gone)."""
+    data, fds, _, _ = socket.recv_fds(sock, 1 << 16, 3)
+    if not data:
+        return None
+    while len(data) < _HEADER.size:
+        more = sock.recv(1 << 16)
+        if not more:
+            return None
+        data += more
+    (size,) = _HEADER.unpack_from(data)
+    while len(data) < _HEADER.size + size:
+        more = sock.recv(1 << 16)
+        if not more:
+            return None
+        data += more
+    return json.loads(data[_HEADER.size : _HEADER.size + size]), fds
+
+
+def _die_with_parent(sig: int) -> None:
+    if ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+
+
+def _show_environ(env: dict[str, str]) -> bool:
+    """Writes ``env`` over our initial environment block, the one that
+    ``/proc/PID/environ`` (``ps e``, ``psutil.Process.environ()``) shows, so that
+    tools see the worker's variables (``RANK``...), not the standby's.
+
+    Safe once ``os.environ`` was cleared and refilled: libc's ``environ`` then
+    points at new strings only, nothing reads the old block. The block keeps
+    its size (the standby's environment plus :data:`ROOM_ENV`); ``False`` if
+    the worker's does not fit (``/proc`` then shows the standby's).
+    """
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        start, end = int(fields[47]), int(fields[48])  # env_start, env_end (fields 50, 51)
+    except (OSError, IndexError, ValueError):
+        return False
+    block = b"".join(f"{k}={v}".encode(errors="surrogateescape") + b"\0" for k, v in env.items())
+    if start <= 0 or len(block) + 1 > end - start:
+        return False
+    ctypes.memmove(start, block.ljust(end - start, b"\0"), end - start)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    fd, parent = (int(a) for a in (argv or sys.argv[1:])[:2])
+    _die_with_parent(signal.SIGKILL)
+    if os.getppid() != parent:  # the backend died before the tie was made
+        return 0
+    sock = socket.socket(fileno=fd)
+    # The warm imports. No threads, no CUDA, no process group: a worker's own.
+    import torch
+    import torch.distributed
+
+    import inprocess  # noqa: F401
+
+    del torch
+    with contextlib.suppress(OSError):
+        sock.sendall(_READY)
+    try:
+        received = _receive(sock)
+    except OSError:
+        received = None
+    if received is None:  # the backend is gone or discarded us: nothing to run
+        return 0
+    message, fds = received
+    sock.close()
+    # Become the worker: stdio, environment, directory, the tie to our parent.
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    for target, source in enumerate(fds):
+        os.dup2(source, target)
+        os.close(source)
+    for stream, target in ((sys.stdout, 1), (sys.stderr, 2)):
+        with contextlib.suppress(Exception):
+            stream.reconfigure(line_buffering=os.isatty(target) or stream is sys.stderr)
+    os.environ.clear()
+    os.environ.update(message["env"])
+    _show_environ(message["env"])
+    os.chdir(message["cwd"])
+    if not message["die_with_parent"]:
+        _die_with_parent(0)
+    command = message["argv"][1:]
+    del message, received
+    import runpy
+
+    if command[0] == "-m":
+        sys.argv = [command[1], *command[2:]]  # run_module puts the module's file first
+        sys.path[0] = os.getcwd()
+        runpy.run_module(command[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = list(command)
+        sys.path[0] = os.path.dirname(os.path.realpath(command[0]))
+        runpy.run_path(command[0], run_name="__main__")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,357 @@
+"""Warm standby workers (issue 13): a standby becomes exactly the worker a fresh
+spawn would be, dead standbys are replaced, nothing outlives the job, and
+``--standby 0`` is the launcher of before."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from inprocess.failover.backends import WorkerLaunch
+from inprocess.failover.backends.local import LocalBackend
+from inprocess.failover.standby import common_env
+from inprocess.failover.supervisor import job_processes
+
+#: a worker that writes what it sees (environment, argv, path, ids) and prints a line
+PROBE = """\
+import json, os, sys
+seen = {
+    "environ": dict(os.environ),
+    "argv": sys.argv,
+    "path0": sys.path[0],
+    "cwd": os.getcwd(),
+    "main": __name__,
+    "own_group": os.getpgid(0) == os.getpid() and os.getsid(0) == os.getpid(),
+    "stdin": os.readlink("/proc/self/fd/0"),
+}
+with open(sys.argv[1], "w") as f:
+    json.dump(seen, f)
+print("probe of rank", os.environ["RANK"], "says hello", flush=True)
+import time
+deadline = time.monotonic() + 60
+while not os.path.exists(sys.argv[1] + ".go") and time.monotonic() < deadline:
+    time.sleep(0.01)
+sys.exit(int(sys.argv[2]))
+"""
+
+
+def _launch(tmp: Path, name: str, code: int, slot: int = 0) -> WorkerLaunch:
+    env = dict(
+        os.environ,
+        RANK="3",
+        LOCAL_RANK="1",
+        GROUP_RANK="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="29999",
+        INPROCESS_WORKER_INCARNATION="2",
+        INPROCESS_NODE_SLOT=str(slot),
+        SOME_JOB_VARIABLE="x y",
+    )
+    return WorkerLaunch(
+        worker=3,
+        incarnation=2,
+        node=1,
+        slot=slot,
+        argv=(sys.executable, str(tmp / "probe.py"), str(tmp / name), str(code)),
+        env=env,
+    )
+
+
+class _LoggingBackend(LocalBackend):
+    """A backend that routes each worker's output to a file (as a launcher may)."""
+
+    def __init__(self, state_dir: Path, log: Path) -> None:
+        super().__init__(state_dir)
+        self.log_path = log
+
+    def _stdio(self, launch):
+        self._log = open(self.log_path, "ab")
+        return {"stdin": subprocess.DEVNULL, "stdout": self._log, "stderr": subprocess.STDOUT}
+
+
+def _wait_exit(backend: LocalBackend, pid: int) -> tuple[int | None, int | None]:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        for exit_ in backend.wait(0.1):
+            if exit_.pid == pid:
+                return exit_.exit_code, exit_.signal
+    raise AssertionError(f"worker {pid} did not end")
+
+
+def _ready_standby(backend: LocalBackend, slot: int) -> int:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        backend.wait(0.05)
+        pool = backend.standbys._standbys.get(slot, [])
+        if pool and all(s.check_ready() for s in pool):
+            return pool[0].process.pid
+    raise AssertionError("no standby got ready")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_standby_worker_sees_what_a_fresh_worker_sees(tmp_path):
+    """Same environment (exactly), argv, sys.path[0], cwd, own session, stdio
+    routing and exit status; the pid is the standby's and it is watched like a
+    spawned worker; a used standby is replaced."""
+    (tmp_path / "probe.py").write_text(PROBE)
+    fresh = LocalBackend(tmp_path / "a")
+    warm = _LoggingBackend(tmp_path / "b", tmp_path / "warm.log")
+    try:
+        launch = _launch(tmp_path, "fresh.json", 7)
+        pid, _ = fresh.start(launch)
+        (tmp_path / "fresh.json.go").touch()
+        assert _wait_exit(fresh, pid) == (7, None)
+
+        warm.keep_standbys(0, 1, common_env(launch.env))
+        standby = _ready_standby(warm, 0)
+        launch = _launch(tmp_path, "warm.json", 5)
+        pid, start_time = warm.start(launch)
+        assert pid == standby, "the worker was not made from the standby"
+        assert warm.running(pid, start_time)
+        # /proc shows the worker's variables (tools find workers by RANK), not the standby's
+        _wait(lambda: (tmp_path / "warm.json").exists(), 30, "the probe")
+        shown = psutil.Process(pid).environ()
+        assert shown == launch.env
+        (tmp_path / "warm.json.go").touch()
+        assert _wait_exit(warm, pid) == (5, None)
+        assert not warm.running(pid, start_time)
+        replacement = _ready_standby(warm, 0)
+        assert replacement != standby
+    finally:
+        warm.close()
+        fresh.close()
+        warm._log.close()
+    a = json.loads((tmp_path / "fresh.json").read_text())
+    b = json.loads((tmp_path / "warm.json").read_text())
+    assert a["argv"][0] == b["argv"][0] == str(tmp_path / "probe.py")
+    assert b["argv"][1:] == [str(tmp_path / "warm.json"), "5"]
+    assert a["environ"] == b["environ"]
+    assert (a["path0"], a["cwd"], a["main"], a["own_group"], a["stdin"]) == (
+        b["path0"],
+        b["cwd"],
+        b["main"],
+        True,
+        b["stdin"],
+    )
+    assert b["own_group"] and a["stdin"] == "/dev/null"
+    assert (tmp_path / "warm.log").read_text() == "probe of rank 3 says hello\n"
+    assert not psutil.Process().children()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_dead_standby_is_replaced_and_closed_pool_leaves_nothing(tmp_path):
+    backend = LocalBackend(tmp_path)
+    try:
+        backend.keep_standbys(0, 1, dict(os.environ))
+        first = backend.standbys.standbys(0)
+        assert len(first) == 1
+        os.kill(first[0], signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while backend.standbys.standbys(0) == first and time.monotonic() < deadline:
+            backend.wait(0.05)
+        second = backend.standbys.standbys(0)
+        assert len(second) == 1 and second != first and psutil.pid_exists(second[0])
+    finally:
+        backend.close()
+    assert not psutil.Process().children()
+
+
+# ---------------------------------------------------------------- inprocess-run end to end
+
+REPO = Path(__file__).resolve().parent.parent
+RUN = [sys.executable, "-m", "inprocess.failover.cli"]
+ENV = dict(
+    os.environ,
+    PYTHONWARNINGS="ignore:Failed to initialize NumPy",
+    RES_OPTIONS="timeout:1 attempts:1",
+)
+
+
+def _standbys(job_id: str) -> list[psutil.Process]:
+    found = []
+    for p in job_processes(job_id):
+        with contextlib.suppress(psutil.Error):
+            if "inprocess.failover.standby" in p.cmdline() and "RANK" not in p.environ():
+                found.append(p)
+    return found
+
+
+def _wait(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _state(state_dir: Path) -> dict:
+    try:
+        return json.loads((state_dir / "state.json").read_text())
+    except (OSError, ValueError):
+        return {"workers": {}}
+
+
+def _running_pids(state_dir: Path) -> dict[int, int]:
+    state = _state(state_dir)
+    return {
+        int(w): r["pid"]
+        for w, r in state["workers"].items()
+        if r["status"] == "running" and r["pid"]
+    }
+
+
+class _Job:
+    def __init__(self, tmp: Path, *flags: str, steps: int = 100000) -> None:
+        tmp.mkdir(parents=True, exist_ok=True)
+        self.state_dir = tmp / "state"
+        self.job_id = f"standby-{os.getpid()}-{time.monotonic_ns()}"
+        self.log = open(tmp / "launcher.log", "wb")
+        self.proc = subprocess.Popen(
+            [
+                *RUN,
+                "--nnodes",
+                "1",
+                "--nproc-per-node",
+                "2",
+                "--state-dir",
+                str(self.state_dir),
+                "--job-id",
+                self.job_id,
+                "--monitor-interval",
+                "0.05",
+                *flags,
+                str(REPO / "examples" / "train.py"),
+                "--steps",
+                str(steps),
+                "--step-time",
+                "0.05",
+                "--result-dir",
+                str(tmp / "out"),
+            ],
+            env=ENV,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        for p in job_processes(self.job_id):
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        self.log.close()
+
+    def nothing_left(self) -> None:
+        left = _wait(lambda: not job_processes(self.job_id) or None, 20, "the job's processes")
+        assert left
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_standby_replaces_a_killed_worker_and_dies_with_the_controller(tmp_path):
+    """A killed worker is replaced by the node's standby (same pid), which is
+    replaced in turn; a SIGKILLed controller takes its standbys with it (its
+    successor makes new ones); Ctrl-C of inprocess-run leaves nothing."""
+    job = _Job(tmp_path, "--spare-nodes", "1")
+    try:
+        _wait(lambda: _state(job.state_dir).get("wrapper_managed"), 90, "the Wrapper job")
+        # one per node slot, the spare's too (a relaunched node starts from it)
+        both = _wait(lambda: len(_standbys(job.job_id)) == 2 and _standbys(job.job_id), 60, "2")
+        slots = {p.pid: p.environ()["INPROCESS_NODE_SLOT"] for p in both}
+        assert sorted(slots.values()) == ["0", "1"]
+        standby = [p for p in both if slots[p.pid] == "0"]
+        workers = _running_pids(job.state_dir)
+        os.kill(workers[1], signal.SIGKILL)
+        relaunched = _wait(
+            lambda: (p := _running_pids(job.state_dir).get(1)) != workers[1] and p,
+            30,
+            "the relaunch",
+        )
+        assert relaunched == standby[0].pid
+        state = json.loads((job.state_dir / "state.json").read_text())
+        assert set(state["workers"]) == {"0", "1"}  # standbys are not workers
+        assert state["worker_restarts"] == {"0": 0, "1": 1}
+        replacement = _wait(
+            lambda: [p for p in _standbys(job.job_id) if p.pid not in slots], 30, "a new standby"
+        )
+        # the controller dies: its standbys (and the spare store server) with it
+        controller = int((job.state_dir / "controller.pid").read_text())
+        os.kill(controller, signal.SIGKILL)
+        _wait(lambda: not replacement[0].is_running(), 20, "the standby's end")
+        _wait(lambda: _standbys(job.job_id), 60, "the new controller's standby")
+        assert _running_pids(job.state_dir) == {0: workers[0], 1: relaunched}
+        job.proc.send_signal(signal.SIGINT)
+        assert job.proc.wait(60) == 130
+        job.nothing_left()
+    finally:
+        job.close()
+
+
+def _store_servers(job_id: str) -> set[int]:
+    found = set()
+    for p in job_processes(job_id):
+        with contextlib.suppress(psutil.Error):
+            if "inprocess.failover.store_server" in p.cmdline():
+                found.add(p.pid)
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_cold_restart_takes_the_spare_store_server_and_limits_leave_nothing(tmp_path):
+    """The next generation's store server runs ahead: a cold restart (here: the
+    store server dies) takes it; a job ended by a limit or normally leaves
+    nothing; a job of ``--standby 0`` never starts a standby or a spare server."""
+    limited = _Job(tmp_path / "a", "--job-max-restarts", "1")
+    plain = _Job(tmp_path / "b", "--standby", "0", steps=60)
+    normal = _Job(tmp_path / "c", steps=60)
+    try:
+        _wait(lambda: _state(limited.state_dir).get("wrapper_managed"), 120, "the Wrapper job")
+        current = _state(limited.state_dir)["store"]["pid"]
+        spare = _wait(lambda: _store_servers(limited.job_id) - {current}, 60, "a spare server")
+        os.kill(current, signal.SIGKILL)
+        new = _wait(
+            lambda: (_state(limited.state_dir).get("store") or {}).get("pid", current) != current
+            and _state(limited.state_dir)["store"]["pid"],
+            60,
+            "a cold restart",
+        )
+        assert _state(limited.state_dir)["generation"] == 1 and {new} == spare
+        _wait(lambda: len(_running_pids(limited.state_dir)) == 2, 60, "the new generation")
+        os.kill(_state(limited.state_dir)["store"]["pid"], signal.SIGKILL)
+        assert limited.proc.wait(90) != 0
+        assert "job_max_restarts" in _state(limited.state_dir)["reason"]
+        limited.nothing_left()
+
+        servers: set[int] = set()
+        while plain.proc.poll() is None:
+            for p in job_processes(plain.job_id):
+                with contextlib.suppress(psutil.Error):
+                    assert "inprocess.failover.standby" not in p.cmdline()
+            servers |= _store_servers(plain.job_id)
+            time.sleep(0.1)
+        assert plain.proc.returncode == 0
+        assert len(servers) == 1  # no spare store server either
+        plain.nothing_left()
+        assert normal.proc.wait(120) == 0
+        normal.nothing_left()
+    finally:
+        limited.close()
+        plain.close()
+        normal.close()
