@@ -542,7 +542,11 @@ class CallWrapper:
         self._monitor.start()
         cleanup.callback(self._monitor.shutdown)
 
-        unraisable = _mt.reraise_if_unraisable(RankShouldRestart)
+        # Gated like the monitor thread's sends: never raised once the main
+        # thread has caught the restart exception (see MonitorThread).
+        unraisable = _mt.reraise_if_unraisable(
+            RankShouldRestart, lock=self._lock, wanted=self._monitor.expects_restart
+        )
         cleanup.enter_context(unraisable)
         cleanup.enter_context(
             _restore_environment("RANK", "WORLD_SIZE", "TORCHELASTIC_USE_AGENT_STORE")
