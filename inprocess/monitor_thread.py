@@ -290,6 +290,7 @@ class MonitorThread(threading.Thread):
         abort: Callable[[Any], Any] | None,
         interrupt: InterruptSignal,
         on_interrupt: Callable[[], None] | None = None,
+        on_resend: Callable[[], Any] | None = None,
     ) -> None:
         super().__init__(name="inprocess-monitor-thread", daemon=True)
         self.store = store
@@ -304,6 +305,9 @@ class MonitorThread(threading.Thread):
         self.interrupt = interrupt
         #: called under ``lock`` just before the restart exception is sent
         self.on_interrupt = on_interrupt
+        #: called (without the lock) after each re-send, while unacknowledged:
+        #: releases what the abort could not reach when it ran
+        self.on_resend = on_resend
         self._armed: Armed | None = None
         self._stop_event = threading.Event()
         self._wake = threading.Event()
@@ -415,3 +419,8 @@ class MonitorThread(threading.Thread):
                     return
                 async_raise(self.target_thread_id, RankShouldRestart)
                 self.interrupt.send(self.target_thread_id)
+            if self.on_resend is not None:
+                try:
+                    self.on_resend()
+                except Exception:
+                    log.exception("releasing the main thread again failed")
