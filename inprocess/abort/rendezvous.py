@@ -238,8 +238,9 @@ def complete_stranded_gloo_init(thread_id: int) -> int:
         _stranded.extend(opened)
     if opened:
         log.info(
-            "released a gloo initialization stranded by a peer: %d connections to %d listeners",
-            len(opened),
+            "still in gloo's group initialization after the interrupt: announced sequence "
+            "numbers 0..%d to %d listeners of the iteration",
+            size - 1,
             len(targets),
         )
     return len(opened)
