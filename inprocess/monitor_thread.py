@@ -24,6 +24,7 @@ import logging
 import signal
 import sys
 import threading
+import time
 import types
 from collections.abc import Callable
 from typing import Any
@@ -90,30 +91,97 @@ class reraise_if_unraisable(contextlib.ContextDecorator):
     function) such an exception is raised again in the thread that lost it.
     Other unraisable exceptions go to the previous hook.
 
-    The hook itself runs bytecode, so an exception set from inside it would
-    land in it and be lost for good; it is set from a short-lived thread, a
-    millisecond later, once the hook has returned.
+    ``lock`` and ``wanted`` (optional) gate the re-raise: it is sent holding
+    ``lock``, and only if ``wanted()`` then says that the thread still expects
+    the exception (the Wrapper passes the lock under which its monitor thread
+    sends and cancels the restart exception, so a re-raise never lands after the
+    main thread has acknowledged the restart).
+
+    Invariant: every ``exc_type`` exception lost in the watched thread, one
+    that lands in the hook itself while it runs included, is followed by an
+    ``exc_type`` exception raised in that thread, and that raise happens only
+    once no frame of the hook is on the thread's stack. The hook runs bytecode,
+    and an exception arriving there is lost for good ("Exception ignored in
+    sys.unraisablehook"); so the hook counts such an arrival as one more lost
+    exception, and its helper thread waits for the hook to have returned,
+    never for a fixed delay (under load a delay can run out while the hook still
+    waits for the helper thread to start, and the re-raise lands in the hook).
+    Losses that wait together are raised once (``_lost``/``_raised``): they are
+    one request to stop what the thread runs, and a second raise would land in
+    its handler. A third exception landing in the hook's own ``except`` clause
+    would still be lost; the monitor thread's re-sending covers that.
     """
 
-    def __init__(self, exc_type: type[BaseException]) -> None:
+    def __init__(
+        self,
+        exc_type: type[BaseException],
+        lock: Any = None,
+        wanted: Callable[[], bool] | None = None,
+    ) -> None:
         self.exc_type = exc_type
+        self.lock = lock
+        self.wanted = wanted
         self._stack: list[tuple[int, Callable[..., Any]]] = []
+        # Exceptions lost (counted by the hook, in the watched thread) and
+        # covered by a re-raise (written by helper threads under _count_lock).
+        self._lost = 0
+        self._raised = 0
+        self._count_lock = threading.Lock()
 
     def _hook(self, unraisable: Any) -> None:
         thread_id, previous = self._stack[-1] if self._stack else (None, sys.__unraisablehook__)
-        exc = unraisable.exc_value
-        if (
-            exc is not None
-            and isinstance(exc, self.exc_type)
-            and threading.get_ident() == thread_id
-        ):
-            log.debug("re-raising %r lost in %r", exc, unraisable.object)
-            timer = threading.Timer(0.001, async_raise, args=(thread_id, type(exc)))
-            timer.name = "inprocess-reraise"
-            timer.daemon = True
-            timer.start()
-        else:
-            previous(unraisable)
+        try:
+            exc = unraisable.exc_value
+            if (
+                exc is not None
+                and isinstance(exc, self.exc_type)
+                and threading.get_ident() == thread_id
+            ):
+                self._lost += 1
+                self._reraise_later(thread_id, type(exc))
+                log.debug("re-raising %r lost in %r", exc, unraisable.object)
+            else:
+                previous(unraisable)
+        except self.exc_type as arrived:
+            if threading.get_ident() != thread_id:
+                raise
+            self._lost += 1
+            self._reraise_later(thread_id, type(arrived))
+
+    def _reraise_later(self, thread_id: int, exc_type: type[BaseException]) -> None:
+        helper = threading.Thread(
+            target=self._reraise_when_out,
+            args=(thread_id, exc_type),
+            name="inprocess-reraise",
+            daemon=True,
+        )
+        helper.start()
+
+    def _reraise_when_out(self, thread_id: int, exc_type: type[BaseException]) -> None:
+        """Raises ``exc_type`` in the thread once no frame of the hook is on its stack."""
+        deadline = time.monotonic() + _RERAISE_WAIT
+        while True:
+            inside = _runs_code(thread_id, _HOOK_CODE)
+            if inside is None:
+                return  # the thread is gone
+            if not inside:
+                break
+            if time.monotonic() >= deadline:
+                log.warning("a lost %s was not raised again: the hook never returned", exc_type)
+                return
+            time.sleep(0.0005)
+        # The thread may enter the hook again between the check and the raise:
+        # the exception then lands in the hook, which counts it as lost again.
+        with self.lock if self.lock is not None else contextlib.nullcontext():
+            with self._count_lock:
+                lost = self._lost
+                if self._raised >= lost:
+                    return  # another helper raised for these losses
+                self._raised = lost
+                if self.wanted is not None and not self.wanted():
+                    return
+                with contextlib.suppress(ValueError):  # the thread ended meanwhile
+                    async_raise(thread_id, exc_type)
 
     def __enter__(self) -> reraise_if_unraisable:
         self._stack.append((threading.get_ident(), sys.unraisablehook))
@@ -124,6 +192,24 @@ class reraise_if_unraisable(contextlib.ContextDecorator):
         _, previous = self._stack.pop()
         if sys.unraisablehook == self._hook:
             sys.unraisablehook = previous
+
+
+_HOOK_CODE = reraise_if_unraisable._hook.__code__
+#: how long a re-raise waits for the hook to return (its one blocking step is
+#: starting the helper thread) before it gives up
+_RERAISE_WAIT = 30.0
+
+
+def _runs_code(thread_id: int, code: types.CodeType) -> bool | None:
+    """Whether a frame of ``code`` is on the thread's stack; ``None``: no such thread."""
+    frame = sys._current_frames().get(thread_id)
+    if frame is None:
+        return None
+    while frame is not None:
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _noop_handler(signum: int, frame: Any) -> None:
@@ -204,6 +290,7 @@ class MonitorThread(threading.Thread):
         abort: Callable[[Any], Any] | None,
         interrupt: InterruptSignal,
         on_interrupt: Callable[[], None] | None = None,
+        on_resend: Callable[[], Any] | None = None,
     ) -> None:
         super().__init__(name="inprocess-monitor-thread", daemon=True)
         self.store = store
@@ -218,6 +305,9 @@ class MonitorThread(threading.Thread):
         self.interrupt = interrupt
         #: called under ``lock`` just before the restart exception is sent
         self.on_interrupt = on_interrupt
+        #: called (without the lock) after each re-send, while unacknowledged:
+        #: releases what the abort could not reach when it ran
+        self.on_resend = on_resend
         self._armed: Armed | None = None
         self._stop_event = threading.Event()
         self._wake = threading.Event()
@@ -251,6 +341,12 @@ class MonitorThread(threading.Thread):
     def restart_in_progress(self) -> bool:
         armed = self._armed
         return armed is not None and armed.interrupted
+
+    def expects_restart(self) -> bool:
+        """Whether the restart exception was sent and not yet caught (read under ``lock``):
+        the one moment when raising it again (a lost one) is right."""
+        armed = self._armed
+        return armed is not None and armed.interrupted and not armed.acked
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop_event.set()
@@ -323,3 +419,8 @@ class MonitorThread(threading.Thread):
                     return
                 async_raise(self.target_thread_id, RankShouldRestart)
                 self.interrupt.send(self.target_thread_id)
+            if self.on_resend is not None:
+                try:
+                    self.on_resend()
+                except Exception:
+                    log.exception("releasing the main thread again failed")

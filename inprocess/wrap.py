@@ -46,7 +46,11 @@ from . import generation as _gen
 from . import monitor_thread as _mt
 from . import protocol
 from .abort import Abort, AbortTorchDistributed
-from .abort.rendezvous import fresh_env_rendezvous, release_held_servers
+from .abort.rendezvous import (
+    complete_stranded_gloo_init,
+    fresh_env_rendezvous,
+    release_held_servers,
+)
 from .completion import Completion
 from .config import DEFAULT_RANK_ASSIGNMENT, WrapperConfig
 from .exception import HealthCheckError, InternalError, StoreError
@@ -536,13 +540,19 @@ class CallWrapper:
             soft_timeout=c.soft_timeout,
             stalled_for=self._watchdog.stalled_for,
             on_interrupt=self._watchdog.freeze,
+            # a gloo initialization that a faulted peer left waiting (see there)
+            on_resend=functools.partial(complete_stranded_gloo_init, threading.get_ident()),
             abort=_gen.as_state_callback(c.abort, c.generation),
             interrupt=self._interrupt,
         )
         self._monitor.start()
         cleanup.callback(self._monitor.shutdown)
 
-        unraisable = _mt.reraise_if_unraisable(RankShouldRestart)
+        # Gated like the monitor thread's sends: never raised once the main
+        # thread has caught the restart exception (see MonitorThread).
+        unraisable = _mt.reraise_if_unraisable(
+            RankShouldRestart, lock=self._lock, wanted=self._monitor.expects_restart
+        )
         cleanup.enter_context(unraisable)
         cleanup.enter_context(
             _restore_environment("RANK", "WORLD_SIZE", "TORCHELASTIC_USE_AGENT_STORE")

@@ -71,6 +71,43 @@ def test_exception_lost_in_del_is_reraised():
     assert threading.current_thread() is threading.main_thread()
 
 
+def _hook_held_up(monkeypatch, arriving: bool = False) -> list[int]:
+    """Holds the hook up as a loaded machine does: ``Thread.start`` returns late,
+    after its helper thread started; ``arriving``: another asynchronous
+    exception lands in the hook before the helper starts. Returns the holds."""
+    main, original, holds = threading.get_ident(), threading.Thread.start, []
+
+    def start(thread):
+        if thread.name != "inprocess-reraise" or holds:
+            return original(thread)
+        holds.append(1)
+        if arriving:
+            async_raise(main, Boom)
+            spin(0.3)  # raises Boom here, in the hook
+        original(thread)
+        spin(0.3)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    return holds
+
+
+@pytest.mark.parametrize("arriving", [False, True], ids=["late-start", "arriving-in-hook"])
+def test_exception_lost_in_del_is_reraised_however_long_the_hook_takes(monkeypatch, arriving):
+    # Once the helper's exception (or another one) landed in the hook while it
+    # still waited for the helper to start: lost, and the test saw DID NOT RAISE.
+    holds = _hook_held_up(monkeypatch, arriving)
+    raised = 0
+    with reraise_if_unraisable(Boom):
+        try:
+            RaisesInDel()
+            gc.collect()
+            spin(2)
+        except Boom:
+            raised += 1
+        spin(0.3)  # ... exactly once: a second one would land here
+    assert holds and raised == 1
+
+
 def test_reraise_if_unraisable_as_decorator_passes_other_exceptions_on():
     seen = []
     previous = __import__("sys").unraisablehook

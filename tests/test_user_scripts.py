@@ -144,6 +144,27 @@ def test_faulty_app_ends_by_itself(tmp_path, kind):
     check_faulty_app(out, kind, result.returncodes)
 
 
+@pytest.mark.timeout(240)
+def test_gloo_init_left_waiting_by_a_peer_is_released(tmp_path):
+    # The faulty app's exception at step 0 once cost a healthy rank (1 run in
+    # 60 on a loaded machine): still inside gloo's constructor, it waited as
+    # the listening side of a pair for a peer that had given up, for 5 x the
+    # group's timeout, unreachable by the abort, until the hard timeout ended
+    # it. Here the peer stops once it published its address; with the release
+    # the wait ends at once (without it: 50 s).
+    out = tmp_path / "attempts.json"
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    proc = subprocess.run(
+        [sys.executable, str(WORKERS / "stranded_gloo_init.py"), str(out)],
+        env=env, capture_output=True, text=True, timeout=200,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    attempts = json.loads(out.read_text())
+    print(f"\n{attempts}")
+    assert attempts[-1]["released"], "rank 0 was never the listening side"
+    assert max(a["seconds"] or 0.0 for a in attempts) < 5.0, attempts
+
+
 @pytest.mark.timeout(150)
 def test_faulty_app_under_torchrun(tmp_path):
     # Real torchrun: its agent hosts the store at MASTER_PORT (the Wrapper's),

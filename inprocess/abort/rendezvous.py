@@ -55,13 +55,22 @@ import functools
 import importlib
 import logging
 import os
+import socket
+import struct
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
 
 from .. import protocol
 from ..store import AGENT_STORE_ENV, PrefixStore, TCPStore
-from .sockets import listening_sockets, shutdown_connections, socket_inodes, tcp_connections
+from .sockets import (
+    listening_addresses,
+    listening_sockets,
+    shutdown_connections,
+    socket_inodes,
+    tcp_connections,
+)
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +149,111 @@ def release_held_servers() -> None:
     with _held_lock:
         _held_servers.clear()
     _destroyed_groups.clear()
+    close_stranded_connections()
+
+
+# --------------------------------------------------------------------------- a stranded gloo init
+
+#: connections opened by complete_stranded_gloo_init, and how many rounds it
+#: ran for the current initialization (both under _held_lock)
+_stranded: list[socket.socket] = []
+_stranded_rounds = 0
+#: rounds at most per initialization: each parks up to ``group_size``
+#: connections in gloo's listener until the group is freed
+MAX_STRANDED_ROUNDS = 20
+
+
+def _building_gloo_group(thread_id: int) -> int:
+    """The size of the gloo group whose constructor ``thread_id`` is in, else 0."""
+    frame = sys._current_frames().get(thread_id)
+    if frame is None:
+        return 0
+    code = frame.f_code
+    if code.co_name != "_new_process_group_helper" or not code.co_filename.endswith(
+        "distributed_c10d.py"
+    ):
+        return 0
+    local = frame.f_locals
+    if str(local.get("backend_str", "")).lower() != "gloo":
+        return 0
+    try:
+        return int(local.get("group_size") or 0)
+    except (TypeError, ValueError):
+        return 0
+
+
+def complete_stranded_gloo_init(thread_id: int) -> int:
+    """Releases ``thread_id`` from a gloo group's initialization that a peer gave up on.
+
+    Run by the monitor thread after it interrupted the function (every re-send
+    of the restart exception, until the main thread acknowledges). The gloo
+    constructor (``connectFullMesh``) connects its pairs one by one; for half
+    of them this rank is the listening side and waits for the peer to connect
+    to its listener, for 5 x the group's timeout, in C++ where neither the
+    restart exception nor the abort reaches it (there is no connection yet to
+    shut down). A peer that faulted, or whose initialization failed because a
+    faulted rank closed its pairs, never connects: this rank would sit out the
+    timeout, and the hard timeout ends it first (a healthy rank lost to a
+    peer's exception). So, while the thread is inside gloo's constructor, each
+    listener this process opened in the iteration that is not a store server
+    it holds gets one connection per sequence number the group can use
+    (``0 .. group_size - 1``), announcing that number, as a peer does: the
+    pairs still waiting get connected and the constructor returns (to the
+    pending restart exception). The connections of the previous round are
+    closed first, which fails a pair that was connected to one of them. A
+    number nobody waits for is parked by gloo with its connection until the
+    group is freed. Does nothing outside the wrapped function or outside
+    gloo's constructor; returns the number of connections opened.
+    """
+    global _stranded_rounds
+    baseline = _baseline
+    size = _building_gloo_group(thread_id) if baseline is not None else 0
+    with _held_lock:
+        previous, _stranded[:] = list(_stranded), []
+        for sock in previous:
+            sock.close()
+        if size < 2 or _stranded_rounds >= MAX_STRANDED_ROUNDS:
+            return 0
+        _stranded_rounds += 1
+        stores = {getattr(store, "port", None) for store in _held_servers}
+    targets = [
+        (family, address)
+        for inode, (family, address) in listening_addresses().items()
+        if inode not in baseline and address[1] not in stores
+    ]
+    opened = []
+    for family, address in targets:
+        for seq in range(size):
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            try:
+                sock.settimeout(1.0)
+                sock.connect(address)
+                sock.sendall(struct.pack("=Q", seq))  # gloo's sequence_number_t
+            except OSError as ex:
+                sock.close()
+                log.debug("cannot reach listener %s: %s", address, ex)
+                break
+            opened.append(sock)
+    with _held_lock:
+        _stranded.extend(opened)
+    if opened:
+        log.info(
+            "still in gloo's group initialization after the interrupt: announced sequence "
+            "numbers 0..%d to %d listeners of the iteration",
+            size - 1,
+            len(targets),
+        )
+    return len(opened)
+
+
+def close_stranded_connections() -> None:
+    """Closes what :func:`complete_stranded_gloo_init` opened (the restart is under way)."""
+    global _stranded_rounds
+    with _held_lock:
+        for sock in _stranded:
+            sock.close()
+        _stranded.clear()
+        _stranded_rounds = 0
 
 
 #: process groups the function destroyed, kept until the next iteration starts

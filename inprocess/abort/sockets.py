@@ -116,6 +116,18 @@ def listening_sockets(inodes: dict[int, int] | None = None) -> dict[int, int]:
     return ports
 
 
+def listening_addresses(inodes: dict[int, int] | None = None) -> dict[int, tuple[int, tuple]]:
+    """Map inode -> (family, ``getsockname()``) of this process's listening TCP sockets."""
+    found = {}
+    for inode, sock in _tcp_sockets(inodes):
+        try:
+            if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                found[inode] = (sock.family, sock.getsockname())
+        except OSError:
+            continue
+    return found
+
+
 def shutdown_connections(connections: list[TcpConnection]) -> int:
     """``shutdown(SHUT_RDWR)`` each connection still open; returns how many."""
     inodes = socket_inodes()

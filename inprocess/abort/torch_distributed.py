@@ -8,7 +8,11 @@ import threading
 from ..state import State
 from .base import Abort
 from .gloo import release_blocked_collectives
-from .rendezvous import hold_iteration_servers, release_iteration_connections
+from .rendezvous import (
+    close_stranded_connections,
+    hold_iteration_servers,
+    release_iteration_connections,
+)
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +71,7 @@ class AbortTorchDistributed(Abort):
                     # Another thread destroyed it between our check and this call.
                     log.debug("destroy_process_group: %s", ex)
             _reset_group_count()
+            close_stranded_connections()
         return state
 
 
