@@ -5,6 +5,7 @@ spawn would be, dead standbys are replaced, nothing outlives the job, and
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -66,18 +67,6 @@ def _launch(tmp: Path, name: str, code: int, slot: int = 0) -> WorkerLaunch:
     )
 
 
-class _LoggingBackend(LocalBackend):
-    """A backend that routes each worker's output to a file (as a launcher may)."""
-
-    def __init__(self, state_dir: Path, log: Path) -> None:
-        super().__init__(state_dir)
-        self.log_path = log
-
-    def _stdio(self, launch):
-        self._log = open(self.log_path, "ab")
-        return {"stdin": subprocess.DEVNULL, "stdout": self._log, "stderr": subprocess.STDOUT}
-
-
 def _wait_exit(backend: LocalBackend, pid: int) -> tuple[int | None, int | None]:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -105,7 +94,7 @@ def test_standby_worker_sees_what_a_fresh_worker_sees(tmp_path):
     spawned worker; a used standby is replaced."""
     (tmp_path / "probe.py").write_text(PROBE)
     fresh = LocalBackend(tmp_path / "a")
-    warm = _LoggingBackend(tmp_path / "b", tmp_path / "warm.log")
+    warm = LocalBackend(tmp_path / "b")
     try:
         launch = _launch(tmp_path, "fresh.json", 7)
         pid, _ = fresh.start(launch)
@@ -114,7 +103,11 @@ def test_standby_worker_sees_what_a_fresh_worker_sees(tmp_path):
 
         warm.keep_standbys(0, 1, common_env(launch.env))
         standby = _ready_standby(warm, 0)
-        launch = _launch(tmp_path, "warm.json", 5)
+        # the worker's output routed to a file, as with --log-dir and --redirects
+        log_file = str(tmp_path / "warm.log")
+        launch = dataclasses.replace(
+            _launch(tmp_path, "warm.json", 5), stdout=log_file, stderr=log_file
+        )
         pid, start_time = warm.start(launch)
         assert pid == standby, "the worker was not made from the standby"
         assert warm.running(pid, start_time)
@@ -130,7 +123,6 @@ def test_standby_worker_sees_what_a_fresh_worker_sees(tmp_path):
     finally:
         warm.close()
         fresh.close()
-        warm._log.close()
     a = json.loads((tmp_path / "fresh.json").read_text())
     b = json.loads((tmp_path / "warm.json").read_text())
     assert a["argv"][0] == b["argv"][0] == str(tmp_path / "probe.py")
