@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import os
 import threading
 import time
+import weakref
 
 import psutil
 import pytest
@@ -35,12 +37,54 @@ def _warm_up_one_time_resources():
     yield
 
 
-def _stores() -> list[str]:
-    """Live store objects of ours (the Wrapper's stores, anything with its protocol)."""
+#: every live store object of ours (a Wrapper store, anything with its protocol),
+#: registered when built: a heap scan after each test would cost a noticeable
+#: part of the suite's time
+_LIVE_STORES: weakref.WeakSet = weakref.WeakSet()
+
+
+def _register_on_init(cls: type) -> None:
+    init = cls.__dict__.get("__init__")
+    if init is None or getattr(init, "_registers_store", False):
+        return
+
+    @functools.wraps(init)
+    def registering_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        _LIVE_STORES.add(self)
+
+    registering_init._registers_store = True  # type: ignore[attr-defined]
+    cls.__init__ = registering_init  # type: ignore[misc]
+
+
+def _track_stores() -> None:
+    """Registers the instances of every store class: those defined now and later."""
     from inprocess.store import StoreMixin
 
-    # type(), not isinstance(): some objects warn when their __class__ is read
-    return [repr(o) for o in gc.get_objects() if issubclass(type(o), StoreMixin)]
+    def subclasses(cls: type) -> list[type]:
+        return [c for sub in cls.__subclasses__() for c in (sub, *subclasses(sub))]
+
+    for cls in subclasses(StoreMixin):
+        _register_on_init(cls)
+    original = StoreMixin.__dict__.get("__init_subclass__")
+
+    @classmethod  # type: ignore[misc]
+    def init_subclass(cls, **kwargs):
+        if original is not None:
+            original.__func__(cls, **kwargs)
+        else:
+            super(StoreMixin, cls).__init_subclass__(**kwargs)
+        _register_on_init(cls)
+
+    StoreMixin.__init_subclass__ = init_subclass  # type: ignore[assignment]
+
+
+_track_stores()
+
+
+def _stores() -> list[str]:
+    """Live store objects of ours."""
+    return [repr(o) for o in list(_LIVE_STORES)]
 
 
 @pytest.fixture(autouse=True)
@@ -54,7 +98,6 @@ def no_leaks():
     yield
     deadline = time.monotonic() + 10
     while True:
-        gc.collect()
         new_threads = [t for t in threading.enumerate() if t not in threads and t.is_alive()]
         new_children = [
             p
@@ -65,6 +108,7 @@ def no_leaks():
         stores = _stores()
         if not (new_threads or new_children or new_fds or stores) or time.monotonic() > deadline:
             break
+        gc.collect()  # what only a reference cycle keeps (a store, a socket) goes now
         time.sleep(0.05)
     assert not new_threads, f"leaked threads: {new_threads}"
     assert not new_children, f"leaked processes: {new_children}"
