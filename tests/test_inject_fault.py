@@ -117,7 +117,13 @@ def test_gpu_faults_need_a_gpu(monkeypatch):
 
 
 VICTIM = """
-import os, sys, time
+import os, signal, sys, time
+# A victim of its own: SIGINT as a fresh interpreter has it, whatever disposition
+# or mask the test process had (both are inherited through fork and exec).
+inherited = (signal.getsignal(signal.SIGINT),
+             signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []))
+signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
 from inprocess.tools.inject_fault import Fault, inject_fault, InjectedFault
 os.environ.update(RANK="0", WORLD_SIZE="1")
 inject_fault([Fault[sys.argv[1]]], 1, 0, 0.2, 0)
@@ -130,7 +136,7 @@ except InjectedFault:
     print("InjectedFault", flush=True); sys.exit(11)
 except KeyboardInterrupt:
     print("KeyboardInterrupt", flush=True); sys.exit(12)
-print("not injected", flush=True)
+print("not injected; SIGINT handler and blocked as inherited:", inherited, flush=True)
 """
 
 
@@ -162,7 +168,8 @@ def run_victim(fault: str, timeout: float = 30):
 def test_fault_kinds(fault, expected):
     proc = run_victim(fault)
     try:
-        assert proc.wait(60) == expected
+        code = proc.wait(60)
+        assert code == expected, proc.stdout.read()
     finally:
         if proc.poll() is None:
             proc.kill()
