@@ -78,26 +78,77 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
+def rank_spans(
+    records: Sequence[dict[str, Any]],
+) -> list[tuple[int, tuple[Any, ...], float, float, bool]]:
+    """Each rank's time in the function: ``(initial rank, iteration key, start, end, active)``.
+
+    An iteration a rank never ended (its process died, or a cold restart stopped
+    it) ends at the first of: its restart's fault, the rank's next record, its
+    process's exit, the next cold restart, the job's end.
+    """
+    by_time = sorted(records, key=lambda r: r["time"])
+    end_of_job = by_time[-1]["time"] if by_time else 0.0
+    restart_at: dict[tuple[Any, ...], float] = {}
+    for r in by_time:
+        if r.get("type") == "restart":
+            restart_at.setdefault((r.get("job"), r.get("call"), r.get("iteration")), r["time"])
+    lane_times: dict[int, list[float]] = collections.defaultdict(list)
+    exits: dict[int, list[float]] = collections.defaultdict(list)
+    colds: list[float] = []
+    for r in by_time:
+        if r.get("type") == "iteration":
+            lane_times[r["initial_rank"]].append(r["time"])
+        elif r.get("type") == "event" and r.get("event") == "worker_exit":
+            exits[r.get("rank")].append(r["time"])
+        elif r.get("type") == "event" and r.get("event") == "cold_restart":
+            colds.append(r["time"])
+
+    def first_after(times: list[float], t: float) -> float:
+        return next((x for x in times if x > t), end_of_job)
+
+    open_: dict[tuple[Any, ...], tuple[float, bool]] = {}
+    spans = []
+    for r in by_time:
+        if r.get("type") != "iteration":
+            continue
+        rank = r["initial_rank"]
+        key = (r.get("job"), r.get("call"), r.get("iteration"))
+        slot = (*key, rank, r.get("pid"))
+        if r.get("state") == "start":
+            open_[slot] = (r["time"], bool(r.get("active", True)))
+        elif slot in open_:
+            start, active = open_.pop(slot)
+            spans.append((rank, key, start, r["time"], active))
+    for slot, (start, active) in open_.items():
+        key, rank = slot[:3], slot[3]
+        end = min(
+            restart_at.get(key, end_of_job),
+            first_after(lane_times[rank], start),
+            first_after(exits[rank], start),
+            first_after(colds, start),
+        )
+        spans.append((rank, key, start, max(end, start), active))
+    return spans
+
+
 def training_intervals(records: Sequence[dict[str, Any]]) -> list[tuple[float, float]]:
     """When the whole job trained: per iteration, from the last active rank's start to the
-    first end (or its restart's fault time), for iterations that have both."""
+    first end (its restart's fault time when it ended in a restart)."""
     starts: dict[tuple[Any, ...], list[float]] = collections.defaultdict(list)
     ends: dict[tuple[Any, ...], list[float]] = collections.defaultdict(list)
+    for _, key, start, end, active in rank_spans(records):
+        if active:
+            starts[key].append(start)
+            ends[key].append(end)
     for r in records:
-        key = (r.get("job"), r.get("call"), r.get("iteration"))
-        if r.get("type") == "iteration":
-            if r.get("state") == "start" and r.get("active", True):
-                starts[key].append(r["time"])
-            elif r.get("state") == "end":
-                ends[key].append(r["time"])
-        elif r.get("type") == "restart":
-            ends[key].append(r["time"])
+        if r.get("type") == "restart":
+            ends[(r.get("job"), r.get("call"), r.get("iteration"))].append(r["time"])
     intervals = []
     for key, times in starts.items():
-        if ends.get(key):
-            start, end = max(times), min(ends[key])
-            if end > start:
-                intervals.append((start, end))
+        start, end = max(times), min(ends[key])
+        if end > start:
+            intervals.append((start, end))
     return intervals
 
 
@@ -261,31 +312,6 @@ def _lanes(records: Sequence[dict[str, Any]]) -> list[int]:
     return sorted(lanes)
 
 
-def _rank_intervals(
-    records: Sequence[dict[str, Any]], end_of_job: float
-) -> dict[int, list[tuple[float, float, bool]]]:
-    """Per initial rank: (start, end, active) of each iteration it was in the function."""
-    open_: dict[tuple[Any, ...], tuple[float, bool]] = {}
-    out: dict[int, list[tuple[float, float, bool]]] = collections.defaultdict(list)
-    restart_at: dict[tuple[Any, ...], float] = {}
-    for r in records:
-        if r.get("type") == "restart":
-            restart_at[(r.get("job"), r.get("call"), r.get("iteration"))] = r["time"]
-    for r in records:
-        if r.get("type") != "iteration":
-            continue
-        key = (r.get("job"), r.get("call"), r.get("iteration"), r["initial_rank"], r.get("pid"))
-        if r.get("state") == "start":
-            open_[key] = (r["time"], bool(r.get("active", True)))
-        elif key in open_:
-            start, active = open_.pop(key)
-            out[r["initial_rank"]].append((start, r["time"], active))
-    for key, (start, active) in open_.items():  # a rank that died in the function
-        end = restart_at.get(key[:3], end_of_job)
-        out[key[3]].append((start, max(end, start), active))
-    return out
-
-
 def _process_intervals(
     records: Sequence[dict[str, Any]], end_of_job: float
 ) -> dict[int, list[tuple[float, float]]]:
@@ -348,7 +374,10 @@ def plot(records: Sequence[dict[str, Any]], path: Any, title: str = "") -> None:
                 edgecolors="none",
                 zorder=1,
             )
-    for rank, spans in _rank_intervals(records, t_end).items():
+    per_rank: dict[int, list[tuple[float, float, bool]]] = collections.defaultdict(list)
+    for rank, _, start, end, active in rank_spans(records):
+        per_rank[rank].append((start, end, active))
+    for rank, spans in per_rank.items():
         if rank not in index:
             continue
         for active in (True, False):

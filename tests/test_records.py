@@ -254,3 +254,13 @@ def test_report_of_nothing_is_a_clear_error(tmp_path, capsys):
     assert "no such state directory" in capsys.readouterr().err
     assert report.main([str(tmp_path)]) == 2
     assert "not a state directory" in capsys.readouterr().err
+
+
+def test_wrapper_records_argument(tmp_path, monkeypatch):
+    import inprocess
+
+    monkeypatch.chdir(tmp_path)
+    assert inprocess.Wrapper(records="r.jsonl").records == str(tmp_path / "r.jsonl")
+    assert inprocess.Wrapper().records is None
+    with pytest.raises(TypeError, match=r"Wrapper\(records=...\) must be a path or None"):
+        inprocess.Wrapper(records=3)

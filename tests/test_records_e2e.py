@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 
@@ -62,7 +63,7 @@ def test_records_name_rank_cause_and_phases_of_injected_faults(tmp_path):
 
 @pytest.mark.timeout(180)
 def test_controller_events_of_a_worker_kill_and_the_report(tmp_path):
-    steps = 200
+    steps = 500  # 10 s of training: the kill lands while it trains, even on a loaded machine
     flags = ("--nnodes", "1", "--nproc-per-node", "2")
     with Launch(
         tmp_path, *flags, script_args=["--steps", str(steps), "--step-time", "0.02"]
@@ -94,7 +95,7 @@ def test_controller_events_of_a_worker_kill_and_the_report(tmp_path):
     assert any(
         f["initial_rank"] == 1 and f["cause"] == "signal" for r in restarts for f in r["faults"]
     ), restarts
-    assert any(r["joined"] == [1] for r in restarts), restarts
+    assert restarts[0]["terminated"] == [1] and restarts[0]["world_size"] == 1, restarts
     pytest.importorskip("matplotlib")
     out = subprocess.run(
         [*RUN, "report", str(launch.state_dir), "--plot", str(tmp_path / "t.png")],
@@ -104,5 +105,7 @@ def test_controller_events_of_a_worker_kill_and_the_report(tmp_path):
         timeout=60,
     )
     assert out.returncode == 0, out.stderr
-    assert "worker relaunches     1" in out.stdout and "exit code 0" in out.stdout, out.stdout
+    assert re.search(r"worker relaunches +1\n", out.stdout), out.stdout
+    assert re.search(r"faults by kind +signal 1\n", out.stdout), out.stdout
+    assert "exit code 0" in out.stdout, out.stdout
     assert (tmp_path / "t.png").stat().st_size > 0
