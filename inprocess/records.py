@@ -268,6 +268,7 @@ class Recorder:
         try:
             append_jsonl(self.path, record)
         except OSError as ex:
+            self.enabled = False  # one warning, not one per iteration
             log.warning(
                 "%s: cannot write the restart records to %s: %s", self.identity, self.path, ex
             )
@@ -355,9 +356,15 @@ class Recorder:
         from .store import initial_rank_of
 
         ended = self._ended
+        # Two round trips to the store (this is on the way back into the function):
+        # both keys exist (a restart has a fault; this rank published its phases).
+        keys = [protocol.FAULT_LOG, protocol.iteration_key(ended.index, protocol.PHASES)]
         try:
-            entries = store.fault_log()[ended.baseline :]
-            phases_text = store.get_or(protocol.iteration_key(ended.index, protocol.PHASES))
+            if store.check(keys):
+                log_text, phases_text = (v.decode() for v in store.multi_get(keys))
+            else:
+                log_text, phases_text = store.get_or(keys[0]), store.get_or(keys[1])
+            entries = protocol.parse_fault_log(log_text)[ended.baseline :]
         except Exception as ex:
             log.debug("%s: cannot read the restart's faults: %s", self.identity, ex)
             entries, phases_text = [], ""
