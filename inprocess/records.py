@@ -31,13 +31,14 @@ restart and nothing while the function runs.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
 import os
 import socket
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from . import protocol
@@ -226,6 +227,27 @@ def faults_of(
 # --------------------------------------------------------------------------- the Wrapper's side
 
 
+def _never_raises(method: Callable[..., None]) -> Callable[..., None]:
+    """Records never break a restart: a failure of ours is logged once and turns them off.
+
+    (``function_starting`` runs in the interruptible region, where an exception
+    would read as a fault of the iteration; ``RankShouldRestart``, a
+    ``BaseException``, passes through.)
+    """
+
+    @functools.wraps(method)
+    def guarded(self: Recorder, *args: Any, **kwargs: Any) -> None:
+        if not self.enabled:
+            return
+        try:
+            method(self, *args, **kwargs)
+        except Exception as ex:
+            self.enabled = False
+            log.warning("%s: restart records off after an error: %r", self.identity, ex)
+
+    return guarded
+
+
 class Recorder:
     """The records of one call of a wrapped function on one rank.
 
@@ -275,6 +297,7 @@ class Recorder:
 
     # ------------------------------------------------------------ per iteration
 
+    @_never_raises
     def function_starting(self, store: Any, current: Any, state: Any) -> None:
         """The function (or a spare's wait) starts: an ``iteration`` start record,
         and on rank 0 the ``restart`` record of the restart that led here."""
@@ -301,6 +324,7 @@ class Recorder:
             }
         )
 
+    @_never_raises
     def iteration_ended(self, current: Any, completed: bool, state: Any) -> None:
         """The iteration ended on this rank (``completed``, or a fault: the restart starts)."""
         if not self.enabled:
@@ -339,6 +363,7 @@ class Recorder:
             self._phases[name] = end - self._phase_end
             self._phase_end = end
 
+    @_never_raises
     def publish_phases(self, store: Any, terminated: Iterable[str]) -> None:
         """After the termination barrier: this rank's phases, for the writer to merge."""
         if not self.enabled or self._ended is None:
@@ -406,6 +431,7 @@ class Recorder:
             }
         )
 
+    @_never_raises
     def completed(self, current: Any, state: Any) -> None:
         """The call completed: rank 0 writes a ``completed`` record."""
         if self.enabled and state.rank == 0:

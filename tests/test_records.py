@@ -264,3 +264,20 @@ def test_wrapper_records_argument(tmp_path, monkeypatch):
     assert inprocess.Wrapper().records is None
     with pytest.raises(TypeError, match=r"Wrapper\(records=...\) must be a path or None"):
         inprocess.Wrapper(records=3)
+
+
+@pytest.mark.parametrize(
+    ("reason", "limit"),
+    [
+        ("worker 1 failed 4 times, more than max_restarts=3 (last: ...)", True),
+        ("node 0 failed 4 times, more than per_node_max_failures=3, and all ...", True),
+        ("x; no cold restart left: job_max_restarts=3 used", True),
+        ("node 1 lost; all node_max_relaunches=1 node relaunches are used", True),
+        ("completed: all 4 workers succeeded", False),
+        ("stopped by SIGTERM", False),
+    ],
+)
+def test_stop_reasons_that_are_limits(reason, limit):
+    from inprocess.failover.controller import _LIMIT
+
+    assert bool(_LIMIT.search(reason)) is limit
