@@ -52,7 +52,7 @@ RESTARTS_FILE = "restarts.jsonl"
 EVENTS_FILE = "events.jsonl"
 
 #: causes of a fault in a restart record
-CAUSES = ("exception", "signal", "hang", "heartbeat", "unhealthy", "terminated")
+CAUSES = ("exception", "signal", "hang", "heartbeat", "unhealthy", "terminated", "connection")
 #: the phases of a restart, in order
 PHASES = (
     "detect",
@@ -174,6 +174,10 @@ def event(name: str, time_: float | None = None, **fields: Any) -> dict[str, Any
 def classify(reason: str) -> str:
     """The cause (one of :data:`CAUSES`) of a fault log reason."""
     text = reason.removeprefix(protocol.TERMINATED_PREFIX)
+    if protocol.derived(text):
+        # a collective broken by a peer that went away: its death is recorded
+        # (by the peer's monitor process) in this restart or the next one
+        return "connection"
     if text.startswith("no heartbeat"):
         return "heartbeat"
     if "timeout" in text:  # soft timeout, hard timeout, completion timeout

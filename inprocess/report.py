@@ -300,6 +300,7 @@ FAULT_STYLE = {
     "heartbeat": ("D", "#9467bd"),
     "unhealthy": ("P", "#8c564b"),
     "terminated": ("o", "#7f7f7f"),
+    "connection": ("*", "#17becf"),
 }
 
 

@@ -53,6 +53,7 @@ def test_records_path_argument_wins_over_the_environment(monkeypatch, tmp_path):
         ("terminated: health check failed: HealthCheckError('x')", "unhealthy"),
         ("terminated: RestartAbort: iteration=3", "terminated"),
         ("terminated: finalize failed: RuntimeError()", "terminated"),
+        ("RuntimeError: [pair.cc:537] Read error: Connection reset by peer", "connection"),
     ],
 )
 def test_causes(reason, cause):
@@ -72,7 +73,7 @@ def test_faults_root_cause_first_derived_errors_dropped_joins_apart():
     assert joined == [2] and fault_time == 10.0
     # only derived errors: they are what is known
     faults, _, _ = R.faults_of(entries[:1], members)
-    assert faults[0]["cause"] == "exception" and faults[0]["rank"] == 0
+    assert faults[0]["cause"] == "connection" and faults[0]["rank"] == 0
 
 
 # --------------------------------------------------------------------------- synthetic jobs
