@@ -286,6 +286,7 @@ class Recorder:
         self._ended: Any = None
         self._ended_active: set[str] = set()
         self._terminated: list[str] = []
+        self._published = False  # this rank's phases (and so the phases key) are in the store
 
     # ------------------------------------------------------------ writing
 
@@ -374,10 +375,12 @@ class Recorder:
             return
         self._terminated = sorted(terminated)
         entry = {"rank": self.identity, "detected": self._detected, **self._phases}
+        self._published = False
         try:
             store.append(
                 protocol.iteration_key(self._ended.index, protocol.PHASES), json.dumps(entry) + "\n"
             )
+            self._published = True
         except Exception as ex:  # records never stop a restart
             log.debug("%s: cannot publish restart phases: %s", self.identity, ex)
 
@@ -385,11 +388,13 @@ class Recorder:
         from .store import initial_rank_of
 
         ended = self._ended
-        # Two round trips to the store (this is on the way back into the function):
-        # both keys exist (a restart has a fault; this rank published its phases).
+        # One round trip to the store (this is on the way back into the function) when
+        # both keys surely exist: this rank published its phases, and an earlier fault
+        # of the call (baseline > 0) created the fault log. (A multi_get of a missing
+        # key would block for the store's timeout.) Else two.
         keys = [protocol.FAULT_LOG, protocol.iteration_key(ended.index, protocol.PHASES)]
         try:
-            if store.check(keys):
+            if (self._published and ended.baseline > 0) or store.check(keys):
                 log_text, phases_text = (v.decode() for v in store.multi_get(keys))
             else:
                 log_text, phases_text = store.get_or(keys[0]), store.get_or(keys[1])
