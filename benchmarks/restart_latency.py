@@ -11,7 +11,12 @@ Overhead: the same training loop (a 256x256 matmul step and an all_reduce of
 the gradient) run wrapped and unwrapped, alternately (ABBA) in the same 2
 rank processes; only the training loop is timed.
 
+Restart records (``INPROCESS_RECORDS``, :mod:`inprocess.records`): ``--records
+both`` runs every measurement with records off and on, side by side (the
+latency's "records" column is the median latency the records themselves report).
+
     python benchmarks/restart_latency.py [--restarts 20] [--worlds 2 4 8] [--styles guide newer]
+        [--records off|on|both]
 """
 
 from __future__ import annotations
@@ -26,12 +31,15 @@ import tempfile
 from pathlib import Path
 
 from inprocess._net import free_port
+from inprocess.records import read_jsonl
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "workers" / "latency_job.py"
 
 
-def run_ranks(world: int, args: list[str], out: Path, timeout: float = 600) -> None:
+def run_ranks(
+    world: int, args: list[str], out: Path, timeout: float = 600, records: Path | None = None
+) -> None:
     port = free_port()
     procs = []
     for rank in range(world):
@@ -46,6 +54,9 @@ def run_ranks(world: int, args: list[str], out: Path, timeout: float = 600) -> N
             PYTHONWARNINGS="ignore:Failed to initialize NumPy",
             RES_OPTIONS="timeout:1 attempts:1",
         )
+        env.pop("INPROCESS_RECORDS", None)
+        if records is not None:
+            env["INPROCESS_RECORDS"] = str(records)
         procs.append(
             subprocess.Popen([sys.executable, str(WORKER), *args[:1], str(out), *args[1:]], env=env)
         )
@@ -66,12 +77,19 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def restart_latencies(
-    world: int, restarts: int, interval_ms: float, style: str = "guide"
-) -> tuple[list[float], int]:
+    world: int, restarts: int, interval_ms: float, style: str = "guide", records: bool = False
+) -> tuple[list[float], int, list[float]]:
+    """Measured latencies, faults injected, and the latencies the restart records report."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
-        run_ranks(world, ["restarts", str(restarts), str(interval_ms), style], out)
+        path = out / "restarts.jsonl" if records else None
+        run_ranks(world, ["restarts", str(restarts), str(interval_ms), style], out, records=path)
         reports = [json.loads((out / f"restarts{r}.json").read_text()) for r in range(world)]
+        recorded = [
+            r["latency"]
+            for r in (read_jsonl(path) if path else [])
+            if r.get("type") == "restart" and r.get("latency") is not None
+        ]
     faults = {i: t for report in reports for i, t in report["fault"]}
     ready: dict[int, list[float]] = {}
     for report in reports:
@@ -82,13 +100,14 @@ def restart_latencies(
         back = ready.get(i + 1, [])
         if len(back) == world:
             latencies.append(max(back) - fault_time)
-    return latencies, len(faults)
+    return latencies, len(faults), recorded
 
 
-def overhead(rounds: int, steps: int, interval: str) -> tuple[float, float]:
+def overhead(rounds: int, steps: int, interval: str, records: bool = False) -> tuple[float, float]:
     """Median seconds per step, unwrapped and wrapped (alternating in the same processes)."""
     with tempfile.TemporaryDirectory() as tmp:
-        run_ranks(2, ["overhead", str(rounds), str(steps), interval], Path(tmp))
+        path = Path(tmp) / "restarts.jsonl" if records else None
+        run_ranks(2, ["overhead", str(rounds), str(steps), interval], Path(tmp), records=path)
         reports = [json.loads((Path(tmp) / f"overhead{r}.json").read_text()) for r in range(2)]
     # a step takes as long as the slower rank
     plain = [max(p) / steps for p in zip(*(r["plain"] for r in reports), strict=True)]
@@ -107,23 +126,36 @@ def main() -> None:
     parser.add_argument(
         "--styles", nargs="+", choices=["guide", "newer"], default=["guide", "newer"]
     )
+    parser.add_argument(
+        "--records",
+        choices=["off", "on", "both"],
+        default="off",
+        help="restart records (INPROCESS_RECORDS) off, on, or both side by side",
+    )
     args = parser.parse_args()
+    modes = {"off": [False], "on": [True], "both": [False, True]}[args.records]
 
     print(
         f"restart latency, {args.interval_ms:g} ms intervals, {args.restarts} consecutive restarts"
     )
     print(
-        f"{'ranks':>5} {'callbacks':>9} {'completed':>10} {'median s':>9} {'p90 s':>7} {'max s':>7}"
+        f"{'ranks':>5} {'callbacks':>9} {'records':>7} {'completed':>10} {'median s':>9} "
+        f"{'p90 s':>7} {'max s':>7} {'records: median s':>17}"
     )
     for world in args.worlds:
         for style in args.styles:
-            latencies, faults = restart_latencies(world, args.restarts, args.interval_ms, style)
-            done = f"{len(latencies)}/{faults}"
-            print(
-                f"{world:>5} {style:>9} {done:>10} {statistics.median(latencies):>9.3f} "
-                f"{percentile(latencies, 0.9):>7.3f} {max(latencies):>7.3f}",
-                flush=True,
-            )
+            for records in modes:
+                latencies, faults, recorded = restart_latencies(
+                    world, args.restarts, args.interval_ms, style, records
+                )
+                done = f"{len(latencies)}/{faults}"
+                own = f"{statistics.median(recorded):.3f} ({len(recorded)})" if recorded else "-"
+                print(
+                    f"{world:>5} {style:>9} {'on' if records else 'off':>7} {done:>10} "
+                    f"{statistics.median(latencies):>9.3f} {percentile(latencies, 0.9):>7.3f} "
+                    f"{max(latencies):>7.3f} {own:>17}",
+                    flush=True,
+                )
     if args.skip_overhead:
         return
     print(
@@ -131,17 +163,20 @@ def main() -> None:
         f"median of {args.overhead_rounds} alternating (ABBA) blocks in the same processes"
     )
     print(
-        f"{'wrapper settings':>22} {'unwrapped ms/step':>18} {'wrapped ms/step':>16} "
-        f"{'overhead':>9}"
+        f"{'wrapper settings':>22} {'records':>7} {'unwrapped ms/step':>18} "
+        f"{'wrapped ms/step':>16} {'overhead':>9}"
     )
     for interval in ("default", str(args.interval_ms)):
-        plain, wrapped = overhead(args.overhead_rounds, args.overhead_steps, interval)
-        label = "defaults (1 s)" if interval == "default" else f"{args.interval_ms:g} ms intervals"
-        print(
-            f"{label:>22} {plain * 1e3:>18.3f} {wrapped * 1e3:>16.3f} "
-            f"{(wrapped - plain) / plain * 100:>8.2f}%",
-            flush=True,
-        )
+        for records in modes:
+            plain, wrapped = overhead(args.overhead_rounds, args.overhead_steps, interval, records)
+            label = (
+                "defaults (1 s)" if interval == "default" else f"{args.interval_ms:g} ms intervals"
+            )
+            print(
+                f"{label:>22} {'on' if records else 'off':>7} {plain * 1e3:>18.3f} "
+                f"{wrapped * 1e3:>16.3f} {(wrapped - plain) / plain * 100:>8.2f}%",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

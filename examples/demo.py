@@ -13,7 +13,9 @@ on 2 nodes x 2 workers, and while it trains:
 
 At the end it prints every fault with its restart latency (from the fault to
 the moment every rank trains again with a working process group) and checks
-that the job applied exactly the requested number of steps.
+that the job applied exactly the requested number of steps. Then it writes the
+job's report (``inprocess-run report``) and its timeline picture, and prints
+their paths.
 
     python examples/demo.py [--steps 600] [--out runs/demo]
 """
@@ -131,6 +133,20 @@ class Demo:
         print(f"state file: {self.state_dir / 'state.json'}")
         return exit_code == 0 and exact
 
+    def report(self) -> None:
+        """The job's report and timeline picture (``inprocess-run report``)."""
+        picture = self.out / "timeline.png"
+        print("\n$ inprocess-run report", self.state_dir, "--plot", picture, flush=True)
+        subprocess.run(
+            [sys.executable, "-m", "inprocess.failover.cli", "report", str(self.state_dir),
+             "--plot", str(picture)],
+            check=False,
+        )  # fmt: skip
+        print(f"records: {self.state_dir / 'restarts.jsonl'}")
+        print(f"events:  {self.state_dir / 'events.jsonl'}")
+        if picture.exists():
+            print(f"picture: {picture}")
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(description="inprocess demo")
@@ -150,7 +166,9 @@ def main() -> int:
         job.send_signal(signal.SIGTERM)
         job.wait(60)
         raise
-    return 0 if demo.summary(exit_code, time.time() - start) else 1
+    ok = demo.summary(exit_code, time.time() - start)
+    demo.report()
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

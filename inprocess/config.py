@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import inspect
+import os
 import pathlib
 from typing import Any
 
@@ -81,6 +82,8 @@ class WrapperConfig:
     monitor_process_pidfile: str | None = None
     completion: Completion | None = None
     terminate: Terminate | None = None
+    #: the restart records' file (absolute), or ``None``: ``INPROCESS_RECORDS``, if set
+    records: str | None = None
     #: derived from the callbacks' shapes (see :mod:`inprocess.generation`)
     generation: Generation = Generation.GUIDE
 
@@ -172,6 +175,10 @@ class WrapperConfig:
         for name in ("monitor_process_logfile", "monitor_process_pidfile"):
             _check_path(name, a[name])
         _check_type("enabled", a["enabled"], bool, "a bool")
+        a.setdefault("records", None)
+        _check_type("records", a["records"], (str, os.PathLike, type(None)), "a path or None")
+        if a["records"] is not None:
+            a["records"] = os.path.abspath(os.fspath(a["records"]))
 
         for name in cls.durations():
             a[name] = a[name].total_seconds()

@@ -12,7 +12,8 @@ Key schema
     terminated and left lists (identities each followed by :data:`SEP`), join
     requests, heartbeats, the published membership, and per iteration ``n`` the
     keys under ``iter/<n>/`` (barrier attempts, termination, completion,
-    outcome, exit count, the user's ``env://`` rendezvous). The role namespace
+    outcome, exit count, the user's ``env://`` rendezvous, the survivors'
+    restart ``phases`` for the restart records of :mod:`inprocess.records`). The role namespace
     holds the ``wrapped`` marker (the role recovers in-process) and
     ``latest_call``, the highest call number any rank has started, so a
     controller follows the call the job is on.
@@ -61,6 +62,7 @@ JOIN_REQUESTS = "join_requests"
 MEMBERSHIP = "membership"
 HOSTED = "hosted"  # set by a rank that hosts the call's store server
 INITIAL = "initial"  # the initial barrier's name
+PHASES = "phases"  # per iteration: each survivor's restart phases (one JSON line each)
 #: set on a store server that a rank hosts (never on a launcher's), outside any namespace
 RANK_HOSTED = "inprocess/rank_hosted"
 
@@ -401,6 +403,20 @@ def parse_fault_log(text: str) -> list[dict[str, Any]]:
         if isinstance(entry, dict) and "rank" in entry and "reason" in entry:
             entries.append(entry)
     return entries
+
+
+def parse_phases(text: str) -> dict[str, dict[str, Any]]:
+    """The survivors' restart phases of an iteration (its :data:`PHASES` key), by identity;
+    unreadable lines are skipped."""
+    phases: dict[str, dict[str, Any]] = {}
+    for line in text.splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(entry, dict) and "rank" in entry:
+            phases.setdefault(str(entry["rank"]), entry)
+    return phases
 
 
 def fault_log(store: Any, call_ns: str) -> list[dict[str, Any]]:

@@ -45,6 +45,7 @@ from typing import Any
 from . import generation as _gen
 from . import monitor_thread as _mt
 from . import protocol
+from . import records as _records
 from .abort import Abort, AbortTorchDistributed
 from .abort.rendezvous import (
     complete_stranded_gloo_init,
@@ -169,6 +170,9 @@ class Wrapper:
             process's pid while it runs, may contain ``{rank}``.
         completion: runs on every rank still in the job once the call completed.
         terminate: runs on a rank whose call ends with an exception.
+        records: file that restart records are appended to as JSON lines
+            (:mod:`inprocess.records`); ``None``: the file named by the
+            ``INPROCESS_RECORDS`` environment variable, if set, else none.
 
     Callbacks may be written for the usage guide's generation of the API or
     for the newer one (``(frozen_state)``, ``(ctx)``, ``completion``,
@@ -205,6 +209,7 @@ class Wrapper:
         monitor_process_pidfile: str | None = None,
         completion: Completion | None = None,
         terminate: Terminate | None = None,
+        records: str | os.PathLike[str] | None = None,
     ) -> None:
         if abort is _UNSET:
             abort = AbortTorchDistributed()
@@ -336,6 +341,7 @@ class CallWrapper:
         # barrier), and the iteration the call completed in (_finish).
         self._restart_cause: protocol.RootCause | None = None
         self._finished_iteration: _Iteration | None = None
+        self._records = _records.Recorder(None, self.identity, "", 0)  # disabled until _start
 
     # ---------------------------------------------------------------- public controls
 
@@ -445,11 +451,14 @@ class CallWrapper:
                     # has not decided on yet.
                     previous.mode, previous.active_rank = Mode.INITIALIZED, None
 
+            records = self._records
             while True:
-                current = self._iteration_barrier(
-                    iteration, previous, prev_members, terminated, joiners
-                )
+                with records.phase("rank_assignment"):
+                    current = self._iteration_barrier(
+                        iteration, previous, prev_members, terminated, joiners
+                    )
                 result = self._run_iteration(current, fn, args, kwargs)
+                records.iteration_ended(current, result.completed, self.state)
                 if result.exception is not None:
                     # Breaks the cycle result -> exception -> traceback -> our frames
                     # -> result: what the function's frames hold (its aborted process
@@ -457,14 +466,20 @@ class CallWrapper:
                     # whenever the garbage collector runs.
                     _clear_own_frames(result.exception)
                 if result.completed:
+                    records.completed(current, self.state)
                     self._finish(current)
                     self._on_completion()
                     return result.value if self.state.mode == Mode.ACTIVE else None
                 previous = self._copy_state()
-                self._abort()
-                self._finalize(result.exception)
-                self._health_check(result.exception)
-                terminated, joiners = self._termination_barrier(current)
+                with records.phase("abort"):
+                    self._abort()
+                with records.phase("finalize"):
+                    self._finalize(result.exception)
+                with records.phase("health_check"):
+                    self._health_check(result.exception)
+                with records.phase("termination_barrier"):
+                    terminated, joiners = self._termination_barrier(current)
+                records.publish_phases(self.store, terminated)
                 self._log_root_cause(result.exception)
                 prev_members, iteration = current.members, current.index + 1
 
@@ -482,6 +497,9 @@ class CallWrapper:
         # Tells a job controller that this role recovers in-process (role level),
         # and which call the job is on.
         raw.announce_call(role, call)
+        self._records = _records.Recorder(
+            _records.records_path(c.records), self.identity, self.namespace, call
+        )
 
         board = ProgressBoard()
         cleanup.callback(board.close)
@@ -837,6 +855,7 @@ class CallWrapper:
                 # normal restart path (the check runs again after the fault).
                 self.state = _returned_state(self._invoke("health_check", None), self.state)
             # initialize and the health check may have returned a new State.
+            self._records.function_starting(self.store, current, self.state)
             if self.state.mode == Mode.ACTIVE:
                 with self._function_environment(current):
                     outcome.value = fn(*args, **kwargs)

@@ -14,8 +14,9 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     {
         .venv/bin/python -m pip install --upgrade pip || true
         .venv/bin/python -m pip install "torch==${TORCH_VERSION:-2.13.0}"
-        # the ray extra for the Ray backend's tests (the core package does not need it)
-        .venv/bin/python -m pip install -e ".[test,ray]"
+        # the ray extra for the Ray backend's tests, the plot extra for the report's
+        # timeline (the core package needs neither)
+        .venv/bin/python -m pip install -e ".[test,ray,plot]"
     } >.venv/install.log 2>&1 || { cat .venv/install.log; exit 1; }
     touch "$stamp"
 fi

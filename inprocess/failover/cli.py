@@ -197,6 +197,11 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    given = sys.argv[1:] if argv is None else list(argv)
+    if given[:1] == ["report"]:  # `inprocess-run report STATE_DIR`; a script: ./report
+        from ..report import main as report_main
+
+        return report_main(given[1:], prog="inprocess-run report")
     args = parser().parse_args(argv)
     if args.quiet:
         args.log_level = "ERROR"

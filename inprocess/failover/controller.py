@@ -25,6 +25,7 @@ import contextlib
 import datetime
 import logging
 import os
+import re
 import select
 import signal
 import sys
@@ -36,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import protocol
+from .. import records as _records
 from ..security import keyed_namespace
 from . import policy
 from .backends import DEFAULT_BACKEND, Backend, ProcessExit, WorkerLaunch, create_backend
@@ -76,6 +78,8 @@ STORE_READ_TIMEOUT = 2.0
 NO_MEMBER_GRACE = 3.0
 #: prefix of the fault-log reason of a rank whose Wrapper ended with RestartAbort
 _ABORT_PREFIX = protocol.TERMINATED_PREFIX + "RestartAbort"
+#: a stop reason that names one of the job's limits (an ``events.jsonl`` "limit" event)
+_LIMIT = re.compile(r"\bmax_restarts=|_max_\w+=|max_relaunches=|max_failures=")
 
 
 def signal_exit_code(signum: int) -> int:
@@ -116,6 +120,32 @@ class Controller:
         self._no_member_since: float | None = None
         #: the next generation's store server, started ahead (``--standby`` > 0)
         self._spare_server: SpareStoreServer | None = None
+        self.events_path = state_dir / _records.EVENTS_FILE
+        _records.end_torn_line(self.events_path)  # an earlier controller may have died mid-line
+
+    # ---------------------------------------------------------------- events file
+
+    def event(self, name: str, worker: int | None = None, **fields: Any) -> None:
+        """Appends one event to ``<state_dir>/events.jsonl``, durably (fsync), like the
+        state file; a failure to write is logged, never fatal."""
+        state, spec = self.state, self.spec
+        if worker is not None and worker in state.workers:
+            record = state.workers[worker]
+            fields.setdefault("node", record.node)
+            fields.setdefault("slot", state.node_slots.get(record.node, record.slot))
+            fields.setdefault("local_rank", spec.local_rank_of(worker))
+            fields.setdefault("rank", worker)
+            fields.setdefault("pid", record.pid)
+        fields.setdefault("generation", state.generation)
+        fields.setdefault(
+            "world_size",
+            sum(r.status is WorkerStatus.RUNNING for r in state.workers.values()),
+        )
+        fields.setdefault("target", spec.world_size)
+        try:
+            _records.append_jsonl(self.events_path, _records.event(name, **fields), durable=True)
+        except OSError as ex:
+            log.warning("cannot write %s: %s", self.events_path, ex)
 
     # ---------------------------------------------------------------- main loop
 
@@ -126,8 +156,10 @@ class Controller:
         now = time.time()
         if recovering:
             log.warning("controller restarted: recovering job %s", self.spec.job_id)
+            self.event("controller_recovery", detail=f"stage {self.state.stage.value}")
             self.apply(policy.recover(self.state, now=now))
         else:
+            self.event("job_start", detail=" ".join(self.spec.entrypoint)[:300])
             self.apply(policy.start_job(self.state, now=now))
         while self.state.stage is not Stage.STOPPED:
             if self.state.stage is Stage.STOPPING:
@@ -149,6 +181,7 @@ class Controller:
             self.state.exit_code if self.state.exit_code is not None else policy.FAILURE_EXIT_CODE
         )
         log.info("job %s finished with exit code %d: %s", self.spec.job_id, code, self.state.reason)
+        self.event("job_end", returncode=code, detail=self.state.reason)
         return code
 
     def _on_signal(self, signum: int, frame: object) -> None:
@@ -181,6 +214,7 @@ class Controller:
         elif isinstance(action, RelaunchWorker):
             self.stop_workers([action.worker])
             self.start_worker(action.worker)
+            self.event("worker_relaunch", action.worker)
         elif isinstance(action, RelaunchNode):
             log.warning(
                 "relaunching node %d: slot %d -> %d", action.node, action.from_slot, action.to_slot
@@ -188,12 +222,20 @@ class Controller:
             self.stop_workers(list(action.workers))
             for worker in action.workers:
                 self.start_worker(worker)
+            self.event(
+                "node_relaunch",
+                node=action.node,
+                slot=action.to_slot,
+                detail=f"slot {action.from_slot} -> {action.to_slot}, workers "
+                f"{list(action.workers)}",
+            )
         elif isinstance(action, RestartJob):
             log.warning(
                 "restarting the whole job (generation %d): %s", action.generation, action.reason
             )
             self.stop_workers(list(self.state.workers))
             self.start_generation()
+            self.event("cold_restart", generation=action.generation, detail=action.reason)
         elif isinstance(action, StopJob):
             level = logging.INFO if action.exit_code == 0 else logging.WARNING
             log.log(
@@ -203,6 +245,8 @@ class Controller:
                 action.exit_code,
                 action.reason,
             )
+            if _LIMIT.search(action.reason):
+                self.event("limit", returncode=action.exit_code, detail=action.reason)
             if self.state.stage is Stage.STOPPING:
                 self.finish()
         elif isinstance(action, Resume):
@@ -238,6 +282,19 @@ class Controller:
                 continue
             record = self.state.workers[worker]
             events.append(WorkerExited(worker, record.incarnation, exit_.exit_code, exit_.signal))
+            self.event(
+                "worker_exit",
+                worker,
+                pid=exit_.pid,
+                returncode=exit_.exit_code,
+                signal=exit_.signal,
+                detail=events[-1].describe(),
+                expected=record.status is WorkerStatus.STOPPING,
+                world_size=sum(
+                    r.status is WorkerStatus.RUNNING and r is not record
+                    for r in self.state.workers.values()
+                ),
+            )
         if snapshot is not None and not events:
             dead = self._no_live_member(snapshot)
             if dead is not None:
@@ -549,6 +606,9 @@ class Controller:
             INPROCESS_NODE_SLOT=str(slot),
         )
         env.setdefault("OMP_NUM_THREADS", "1")
+        # The Wrapper's restart records go to the state dir, unless the user chose a file.
+        records = self.state_dir.absolute() / _records.RESTARTS_FILE
+        env.setdefault(_records.RECORDS_ENV, str(records))
         return env
 
     def stop_workers(self, workers: list[int]) -> None:
@@ -580,6 +640,13 @@ class Controller:
             )
             ended = self.backend.exit_of(record.pid)
             event = WorkerExited(worker, record.incarnation, ended.exit_code, ended.signal)
+            self.event(
+                "worker_exit",
+                worker,
+                returncode=ended.exit_code,
+                signal=ended.signal,
+                detail=f"{event.describe()} while the controller was down",
+            )
             lost.append((worker, event))
         store = self.state.store
         if store and process_start_time(store["pid"]) == store.get("start_time"):

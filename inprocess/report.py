@@ -1,0 +1,586 @@
+"""``python -m inprocess.report`` / ``inprocess-run report``: what happened in a job.
+
+    inprocess-run report STATE_DIR [--plot timeline.png]
+    python -m inprocess.report restarts.jsonl [--plot timeline.png]   # a Wrapper under torchrun
+
+Reads the Wrapper's restart records (``restarts.jsonl``) and the controller's
+events (``events.jsonl``) of a state directory, or records files given
+directly, and prints a summary: faults by kind (the root cause of each
+restart: a hang that stalls every rank is one fault), restarts, restart latency
+(median, p90, max), time lost, goodput (training time / wall time) and
+failures per node. ``--plot`` draws a timeline (matplotlib, the
+``inprocess[plot]`` extra): one lane per rank, its training intervals, faults
+marked by kind, restart windows, relaunches, node moves and cold restarts.
+
+Definitions (all from the records' wall-clock times):
+
+* *wall time*: from the job's start (the controller's ``job_start``, else the
+  first record) to its end (``job_end``, else the last record);
+* *training time*: the time in which every active rank of an iteration was in
+  the function, summed over iterations: from the last active rank's start to
+  the first end (its fault's time when the iteration ended in a restart);
+* *time lost*: wall time minus training time (start-up included); *in
+  recovery* is the sum of restart latencies (fault to back in the function).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import math
+import os
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from .records import EVENTS_FILE, RESTARTS_FILE, read_jsonl
+
+PLOT_INSTALL_HINT = "pip install 'inprocess[plot]'   (or: pip install matplotlib)"
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load(paths: Iterable[str | os.PathLike[str]]) -> list[dict[str, Any]]:
+    """Every record of the given state directories and records files, by time."""
+    records: list[dict[str, Any]] = []
+    for path in map(Path, paths):
+        if path.is_dir():
+            files = [path / RESTARTS_FILE, path / EVENTS_FILE]
+            if not any(f.exists() for f in files):
+                raise FileNotFoundError(
+                    f"{path} holds neither {RESTARTS_FILE} nor {EVENTS_FILE}: not a state "
+                    "directory of inprocess-run (or nothing was recorded yet)"
+                )
+        elif path.is_file():
+            files = [path]
+        else:
+            raise FileNotFoundError(f"{path}: no such state directory or records file")
+        for f in files:
+            records += read_jsonl(f)
+    records = [r for r in records if isinstance(r.get("time"), (int, float))]
+    records.sort(key=lambda r: r["time"])
+    return records
+
+
+# --------------------------------------------------------------------------- numbers
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The ``q``-th percentile (0..100) by linear interpolation; ``None`` for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * q / 100
+    lo, hi = math.floor(k), math.ceil(k)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def rank_spans(
+    records: Sequence[dict[str, Any]],
+) -> list[tuple[int, tuple[Any, ...], float, float, bool]]:
+    """Each rank's time in the function: ``(initial rank, iteration key, start, end, active)``.
+
+    An iteration a rank never ended (its process died, or a cold restart stopped
+    it) ends at the first of: its restart's fault, the rank's next record, its
+    process's exit, the next cold restart, the job's end.
+    """
+    by_time = sorted(records, key=lambda r: r["time"])
+    end_of_job = by_time[-1]["time"] if by_time else 0.0
+    restart_at: dict[tuple[Any, ...], float] = {}
+    for r in by_time:
+        if r.get("type") == "restart":
+            restart_at.setdefault((r.get("job"), r.get("call"), r.get("iteration")), r["time"])
+    lane_times: dict[int, list[float]] = collections.defaultdict(list)
+    exits: dict[int, list[float]] = collections.defaultdict(list)
+    colds: list[float] = []
+    for r in by_time:
+        if r.get("type") == "iteration":
+            lane_times[r["initial_rank"]].append(r["time"])
+        elif r.get("type") == "event" and r.get("event") == "worker_exit":
+            exits[r.get("rank")].append(r["time"])
+        elif r.get("type") == "event" and r.get("event") == "cold_restart":
+            colds.append(r["time"])
+
+    def first_after(times: list[float], t: float) -> float:
+        return next((x for x in times if x > t), end_of_job)
+
+    open_: dict[tuple[Any, ...], tuple[float, bool]] = {}
+    spans = []
+    for r in by_time:
+        if r.get("type") != "iteration":
+            continue
+        rank = r["initial_rank"]
+        key = (r.get("job"), r.get("call"), r.get("iteration"))
+        slot = (*key, rank, r.get("pid"))
+        if r.get("state") == "start":
+            open_[slot] = (r["time"], bool(r.get("active", True)))
+        elif slot in open_:
+            start, active = open_.pop(slot)
+            spans.append((rank, key, start, r["time"], active))
+    for slot, (start, active) in open_.items():
+        key, rank = slot[:3], slot[3]
+        end = min(
+            restart_at.get(key, end_of_job),
+            first_after(lane_times[rank], start),
+            first_after(exits[rank], start),
+            first_after(colds, start),
+        )
+        spans.append((rank, key, start, max(end, start), active))
+    return spans
+
+
+def training_intervals(records: Sequence[dict[str, Any]]) -> list[tuple[float, float]]:
+    """When the whole job trained: per iteration, from the last active rank's start to the
+    first end (its restart's fault time when it ended in a restart)."""
+    starts: dict[tuple[Any, ...], list[float]] = collections.defaultdict(list)
+    ends: dict[tuple[Any, ...], list[float]] = collections.defaultdict(list)
+    for _, key, start, end, active in rank_spans(records):
+        if active:
+            starts[key].append(start)
+            ends[key].append(end)
+    for r in records:
+        if r.get("type") == "restart":
+            ends[(r.get("job"), r.get("call"), r.get("iteration"))].append(r["time"])
+    intervals = []
+    for key, times in starts.items():
+        start, end = max(times), min(ends[key])
+        if end > start:
+            intervals.append((start, end))
+    return intervals
+
+
+def summarize(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The report's numbers (see the module docstring for their definitions)."""
+    restarts = [r for r in records if r.get("type") == "restart"]
+    events = [r for r in records if r.get("type") == "event"]
+    by_event = collections.defaultdict(list)
+    for e in events:
+        by_event[e.get("event")].append(e)
+    start_events, end_events = by_event["job_start"], by_event["job_end"]
+    first = start_events[0]["time"] if start_events else (records[0]["time"] if records else 0.0)
+    last = end_events[-1]["time"] if end_events else (records[-1]["time"] if records else 0.0)
+    wall = max(0.0, last - first)
+    training = sum(end - start for start, end in training_intervals(records))
+    latencies = [float(r["latency"]) for r in restarts if r.get("latency") is not None]
+
+    faults_by_kind: collections.Counter[str] = collections.Counter()
+    for r in restarts:
+        # a restart's root cause: the ranks that a hang stalls all time out, one fault
+        if r.get("faults"):
+            faults_by_kind[str(r["faults"][0].get("cause"))] += 1
+        elif r.get("joined"):
+            faults_by_kind["join (relaunched worker)"] += 1
+
+    # Where each initial rank ran, for the per-node counts of in-process faults.
+    node_of: dict[int, Any] = {}
+    for r in records:
+        if r.get("type") == "iteration" and r.get("node") is not None:
+            node_of[r["initial_rank"]] = r["node"]
+    nodes: dict[Any, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    for r in restarts:
+        for f in r.get("faults") or []:
+            if f.get("cause") != "terminated":
+                nodes[node_of.get(f.get("initial_rank"))]["in_process"] += 1
+    failed_exits = [
+        e
+        for e in by_event["worker_exit"]
+        if not e.get("expected") and (e.get("returncode") != 0 or e.get("signal") is not None)
+    ]
+    for e in failed_exits:
+        nodes[e.get("node")]["worker_exits"] += 1
+    for e in by_event["node_relaunch"]:
+        nodes[e.get("node")]["node_relaunches"] += 1
+
+    phases: dict[str, list[float]] = collections.defaultdict(list)
+    for r in restarts:
+        for name, value in (r.get("phases") or {}).items():
+            phases[name].append(float(value))
+    end = end_events[-1] if end_events else None
+    return {
+        "wall_time": wall,
+        "training_time": training,
+        "time_lost": max(0.0, wall - training),
+        "in_recovery": sum(latencies),
+        "goodput": training / wall if wall > 0 else None,
+        "restarts": len(restarts),
+        "faults_by_kind": dict(faults_by_kind),
+        "latency": {
+            "median": percentile(latencies, 50),
+            "p90": percentile(latencies, 90),
+            "max": max(latencies) if latencies else None,
+        },
+        "phases_median": {k: percentile(v, 50) for k, v in phases.items()},
+        "worker_exits": len(failed_exits),
+        "worker_relaunches": len(by_event["worker_relaunch"]),
+        "node_relaunches": len(by_event["node_relaunch"]),
+        "cold_restarts": len(by_event["cold_restart"]),
+        "controller_recoveries": len(by_event["controller_recovery"]),
+        "limits": [e.get("detail") for e in by_event["limit"]],
+        "per_node": {str(k): dict(v) for k, v in sorted(nodes.items(), key=lambda kv: str(kv[0]))},
+        "result": None
+        if end is None
+        else {"exit_code": end.get("returncode"), "detail": end.get("detail")},
+    }
+
+
+def _seconds(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value * 1000:.0f} ms" if value < 1 else f"{value:.2f} s"
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    """The summary as a table for the terminal."""
+    rows: list[tuple[str, str]] = []
+    if s["result"] is not None:
+        rows.append(("result", f"exit code {s['result']['exit_code']}: {s['result']['detail']}"))
+    goodput = "-" if s["goodput"] is None else f"{s['goodput'] * 100:.1f} %"
+    rows += [
+        ("wall time", _seconds(s["wall_time"])),
+        ("training time", _seconds(s["training_time"])),
+        ("goodput", goodput),
+        ("time lost", f"{_seconds(s['time_lost'])} (in recovery: {_seconds(s['in_recovery'])})"),
+        ("in-process restarts", str(s["restarts"])),
+    ]
+    lat = s["latency"]
+    rows.append(
+        (
+            "restart latency",
+            f"median {_seconds(lat['median'])}, p90 {_seconds(lat['p90'])}, "
+            f"max {_seconds(lat['max'])}",
+        )
+    )
+    if s["phases_median"]:
+        rows.append(
+            (
+                "  median phases",
+                ", ".join(f"{k} {_seconds(v)}" for k, v in s["phases_median"].items()),
+            )
+        )
+    faults = s["faults_by_kind"]
+    rows.append(
+        (
+            "faults by kind",
+            ", ".join(f"{k} {n}" for k, n in sorted(faults.items(), key=lambda kv: -kv[1]))
+            or "none",
+        )
+    )
+    rows += [
+        ("failed worker exits", str(s["worker_exits"])),
+        ("worker relaunches", str(s["worker_relaunches"])),
+        ("node relaunches", str(s["node_relaunches"])),
+        ("cold restarts", str(s["cold_restarts"])),
+        ("controller recoveries", str(s["controller_recoveries"])),
+    ]
+    for detail in s["limits"]:
+        rows.append(("limit reached", str(detail)))
+    width = max(len(k) for k, _ in rows)
+    lines = [f"{k.ljust(width)}  {v}" for k, v in rows]
+    if s["per_node"]:
+        lines += ["", "per node     in-process faults  failed worker exits  node relaunches"]
+        for node, counts in s["per_node"].items():
+            name = "?" if node == "None" else node
+            lines.append(
+                f"node {name:<7} {counts.get('in_process', 0):>17}  "
+                f"{counts.get('worker_exits', 0):>19}  {counts.get('node_relaunches', 0):>15}"
+            )
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- the picture
+
+#: how each cause is marked on the timeline: (marker, colour)
+FAULT_STYLE = {
+    "exception": ("X", "#d62728"),
+    "signal": ("v", "#000000"),
+    "hang": ("s", "#ff7f0e"),
+    "heartbeat": ("D", "#9467bd"),
+    "unhealthy": ("P", "#8c564b"),
+    "terminated": ("o", "#7f7f7f"),
+    "connection": ("*", "#17becf"),
+}
+
+
+def _lanes(records: Sequence[dict[str, Any]]) -> list[int]:
+    lanes = {r["initial_rank"] for r in records if r.get("type") == "iteration"}
+    lanes |= {r["rank"] for r in records if r.get("type") == "event" and r.get("rank") is not None}
+    for r in records:
+        if r.get("type") == "restart":
+            lanes |= {f["initial_rank"] for f in r.get("faults") or []}
+    return sorted(lanes)
+
+
+def _process_intervals(
+    records: Sequence[dict[str, Any]], end_of_job: float
+) -> dict[int, list[tuple[float, float]]]:
+    """Per worker: when its process ran, from the controller's events."""
+    running: dict[int, float] = {}
+    out: dict[int, list[tuple[float, float]]] = collections.defaultdict(list)
+    workers: set[int] = set()
+    for r in records:
+        if r.get("type") != "event":
+            continue
+        name, rank = r.get("event"), r.get("rank")
+        if rank is not None:
+            workers.add(rank)
+        if name in ("job_start", "cold_restart"):
+            target = r.get("target") or 0
+            for w in range(target):
+                running.setdefault(w, r["time"])
+        elif name == "worker_relaunch" and rank is not None:
+            running.setdefault(rank, r["time"])
+        elif name == "worker_exit" and rank is not None and rank in running:
+            out[rank].append((running.pop(rank), r["time"]))
+    for w, start in running.items():
+        out[w].append((start, end_of_job))
+    return out
+
+
+def plot(records: Sequence[dict[str, Any]], path: Any, title: str = "") -> None:
+    """Draws the timeline to ``path`` (a PNG file name, or a binary file object); needs
+    matplotlib (``inprocess[plot]``)."""
+    try:
+        import matplotlib
+    except ImportError as ex:
+        raise ImportError(f"--plot needs matplotlib: {PLOT_INSTALL_HINT}") from ex
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    if not records:
+        raise ValueError("no records to plot")
+    t0 = records[0]["time"]
+    for r in records:
+        if r.get("type") == "event" and r.get("event") == "job_start":
+            t0 = r["time"]
+            break
+    t_end = records[-1]["time"]
+    lanes = _lanes(records)
+    index = {rank: i for i, rank in enumerate(lanes)}
+    n = max(1, len(lanes))
+    height = 2.2 + (0.3 * n if n <= 16 else 4.8 + 0.09 * (n - 16))
+    fig, ax = plt.subplots(figsize=(12, height), dpi=100)
+    bar = 0.7 if n <= 16 else 0.85
+
+    for rank, spans in _process_intervals(records, t_end).items():
+        if rank in index:
+            ax.broken_barh(
+                [(s - t0, e - s) for s, e in spans],
+                (index[rank] - 0.45, 0.9),
+                facecolors="#e8e8e8",
+                edgecolors="none",
+                zorder=1,
+            )
+    per_rank: dict[int, list[tuple[float, float, bool]]] = collections.defaultdict(list)
+    for rank, _, start, end, active in rank_spans(records):
+        per_rank[rank].append((start, end, active))
+    for rank, spans in per_rank.items():
+        if rank not in index:
+            continue
+        for active in (True, False):
+            chosen = [(s - t0, e - s) for s, e, a in spans if a is active]
+            if chosen:
+                ax.broken_barh(
+                    chosen,
+                    (index[rank] - bar / 2, bar),
+                    facecolors="#2ca02c" if active else "#aec7e8",
+                    edgecolors="none",
+                    zorder=2,
+                )
+
+    marker_size = 70 if n <= 16 else 40
+    seen_causes: set[str] = set()
+    for r in records:
+        if r.get("type") != "restart":
+            continue
+        start, back = r["time"] - t0, (r.get("back_at") or r["time"]) - t0
+        # at least 0.4 % of the axis wide, so that a fast restart stays visible
+        width = max(back - start, 0.004 * max(t_end - t0, 1e-3))
+        ax.axvspan(start, start + width, color="#d62728", alpha=0.35, lw=0, zorder=4)
+        for f in r.get("faults") or []:
+            cause = str(f.get("cause"))
+            marker, colour = FAULT_STYLE.get(cause, ("*", "#17becf"))
+            seen_causes.add(cause)
+            if f.get("initial_rank") in index:
+                ax.scatter(
+                    [start],
+                    [index[f["initial_rank"]]],
+                    marker=marker,
+                    s=marker_size,
+                    color=colour,
+                    edgecolors="white",
+                    linewidths=0.6,
+                    zorder=5,
+                )
+
+    # labels of job-wide events above the plot, where no lane is hidden by them
+    top = ax.get_xaxis_transform()
+    for r in records:
+        if r.get("type") != "event":
+            continue
+        name, t = r.get("event"), r["time"] - t0
+        if name == "worker_relaunch" and r.get("rank") in index:
+            ax.scatter(
+                [t],
+                [index[r["rank"]] + 0.3],  # below its lane's fault marker
+                marker="^",
+                s=marker_size,
+                color="#1f77b4",
+                edgecolors="white",
+                linewidths=0.6,
+                zorder=6,
+            )
+        elif name == "node_relaunch":
+            ax.axvline(t, color="#1f77b4", ls="--", lw=1.2, zorder=3)
+            ax.text(
+                t,
+                1.0,
+                f" node {r.get('node')} moved",
+                color="#1f77b4",
+                fontsize=8,
+                va="bottom",
+                rotation=30,
+                transform=top,
+            )
+        elif name == "cold_restart":
+            ax.axvline(t, color="#9467bd", ls="-", lw=1.5, zorder=3)
+            ax.text(
+                t,
+                1.0,
+                f" cold restart (gen {r.get('generation')})",
+                color="#9467bd",
+                fontsize=8,
+                va="bottom",
+                rotation=30,
+                transform=top,
+            )
+        elif name == "controller_recovery":
+            ax.axvline(t, color="#7f7f7f", ls=":", lw=1.5, zorder=3)
+            ax.text(
+                t,
+                1.0,
+                " controller recovered",
+                color="#555555",
+                fontsize=8,
+                va="bottom",
+                rotation=30,
+                transform=top,
+            )
+
+    # lines between nodes (where records say which node a rank ran on)
+    node_of = {r["initial_rank"]: r.get("node") for r in records if r.get("type") == "iteration"}
+    node_of.update(
+        {
+            r["rank"]: r.get("node")
+            for r in records
+            if r.get("type") == "event" and r.get("rank") is not None
+        }
+    )
+    for i in range(1, n):
+        a, b = node_of.get(lanes[i - 1]), node_of.get(lanes[i])
+        if a is not None and b is not None and a != b:
+            ax.axhline(i - 0.5, color="#444444", lw=0.8, zorder=3)
+    ax.set_ylim(n - 0.5, -0.5)
+    step = 1 if n <= 16 else max(1, math.ceil(n / 32))
+    ticks = list(range(0, n, step))
+    ax.set_yticks(ticks)
+    ax.set_yticklabels([str(lanes[i]) for i in ticks], fontsize=8 if n > 16 else 10)
+    ax.set_ylabel("rank (initial)")
+    ax.set_xlabel("time since start (s)")
+    ax.set_xlim(0, max(t_end - t0, 1e-3) * 1.02)
+    ax.grid(axis="x", color="#dddddd", lw=0.6, zorder=0)
+    ax.set_axisbelow(True)
+
+    handles = [
+        Patch(color="#2ca02c", label="training (active)"),
+        Patch(color="#aec7e8", label="spare (inactive)"),
+        Patch(color="#e8e8e8", label="process running"),
+        Patch(color="#d62728", alpha=0.25, label="restart: fault to back in function"),
+    ]
+    for cause in CAUSE_ORDER:
+        if cause in seen_causes:
+            marker, colour = FAULT_STYLE[cause]
+            handles.append(
+                Line2D(
+                    [],
+                    [],
+                    ls="",
+                    marker=marker,
+                    color=colour,
+                    markersize=8,
+                    label=f"fault: {cause}",
+                )
+            )
+    handles.append(
+        Line2D([], [], ls="", marker="^", color="#1f77b4", markersize=8, label="worker relaunched")
+    )
+    ax.legend(
+        handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False
+    )
+    if title:
+        labelled = any(
+            r.get("event") in ("node_relaunch", "cold_restart", "controller_recovery")
+            for r in records
+        )
+        ax.set_title(title, fontsize=10, loc="left", pad=48 if labelled else 6)
+    fig.tight_layout()
+    fig.savefig(path if hasattr(path, "write") else os.fspath(path), format="png")
+    plt.close(fig)
+
+
+CAUSE_ORDER = tuple(FAULT_STYLE)
+
+
+def title_of(s: dict[str, Any]) -> str:
+    goodput = "-" if s["goodput"] is None else f"{s['goodput'] * 100:.1f}%"
+    median = _seconds(s["latency"]["median"])
+    return (
+        f"{s['restarts']} in-process restarts (median latency {median}), "
+        f"{s['worker_relaunches']} worker relaunches, {s['node_relaunches']} node moves, "
+        f"{s['cold_restarts']} cold restarts; goodput {goodput}"
+    )
+
+
+# --------------------------------------------------------------------------- command
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m inprocess.report") -> int:
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Summarize a job's faults and restarts; optionally draw its timeline.",
+    )
+    p.add_argument(
+        "paths",
+        nargs="+",
+        metavar="STATE_DIR_OR_RECORDS",
+        help="an inprocess-run state directory, or records files (INPROCESS_RECORDS)",
+    )
+    p.add_argument("--plot", metavar="FILE.png", help="draw the timeline to this PNG file")
+    p.add_argument("--json", action="store_true", help="print the numbers as JSON")
+    args = p.parse_args(argv)
+    try:
+        records = load(args.paths)
+    except FileNotFoundError as ex:
+        print(f"{prog}: {ex}", file=sys.stderr)
+        return 2
+    if not records:
+        print(f"{prog}: no records in {', '.join(args.paths)}", file=sys.stderr)
+        return 1
+    summary = summarize(records)
+    print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
+    if args.plot:
+        try:
+            plot(records, args.plot, title_of(summary))
+        except ImportError as ex:
+            print(f"{prog}: {ex}", file=sys.stderr)
+            return 3
+        print(f"timeline: {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
