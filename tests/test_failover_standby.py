@@ -36,12 +36,13 @@ seen = {
 }
 with open(sys.argv[1], "w") as f:
     json.dump(seen, f)
-print("probe of rank", os.environ["RANK"], "says hello", flush=True)
+# not flushed, and os._exit below: only PYTHONUNBUFFERED gets it to the file
+print("probe of rank", os.environ["RANK"], "says hello")
 import time
 deadline = time.monotonic() + 60
 while not os.path.exists(sys.argv[1] + ".go") and time.monotonic() < deadline:
     time.sleep(0.01)
-sys.exit(int(sys.argv[2]))
+os._exit(int(sys.argv[2]))
 """
 
 
@@ -56,6 +57,7 @@ def _launch(tmp: Path, name: str, code: int, slot: int = 0) -> WorkerLaunch:
         INPROCESS_WORKER_INCARNATION="2",
         INPROCESS_NODE_SLOT=str(slot),
         SOME_JOB_VARIABLE="x y",
+        PYTHONUNBUFFERED="1",  # as the launcher sets for a worker writing to a file
     )
     return WorkerLaunch(
         worker=3,
@@ -101,7 +103,10 @@ def test_standby_worker_sees_what_a_fresh_worker_sees(tmp_path):
         (tmp_path / "fresh.json.go").touch()
         assert _wait_exit(fresh, pid) == (7, None)
 
-        warm.keep_standbys(0, 1, common_env(launch.env))
+        # the standby starts without the output variables the launcher gives a
+        # worker writing to a file (PYTHONUNBUFFERED): they come with the assignment
+        standby_env = {k: v for k, v in launch.env.items() if k != "PYTHONUNBUFFERED"}
+        warm.keep_standbys(0, 1, common_env(standby_env))
         standby = _ready_standby(warm, 0)
         # the worker's output routed to a file, as with --log-dir and --redirects
         log_file = str(tmp_path / "warm.log")

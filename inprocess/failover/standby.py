@@ -381,9 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     for target, source in enumerate(fds):
         os.dup2(source, target)
         os.close(source)
-    for stream, target in ((sys.stdout, 1), (sys.stderr, 2)):
-        with contextlib.suppress(Exception):
-            stream.reconfigure(line_buffering=os.isatty(target) or stream is sys.stderr)
+    _reopen_stdio(unbuffered=bool(message["env"].get("PYTHONUNBUFFERED")))
     os.environ.clear()
     os.environ.update(message["env"])
     _show_environ(message["env"])
@@ -403,6 +401,33 @@ def main(argv: list[str] | None = None) -> int:
         sys.path[0] = os.path.dirname(os.path.realpath(command[0]))
         runpy.run_path(command[0], run_name="__main__")
     return 0
+
+
+def _reopen_stdio(unbuffered: bool) -> None:
+    """``sys.stdout`` / ``sys.stderr`` on the worker's fds 1 and 2, buffered as a fresh
+    interpreter would buffer them there: line-buffered on a terminal (stderr always),
+    and with ``PYTHONUNBUFFERED`` (read at start-up, so not applied by the
+    environment alone) written through to the fd at once, nothing held in a buffer."""
+    import io
+
+    for name, fd in (("stdout", 1), ("stderr", 2)):
+        old = getattr(sys, name)
+        with contextlib.suppress(Exception):
+            old.flush()
+        binary: io.RawIOBase | io.BufferedWriter = io.FileIO(fd, "w", closefd=False)
+        if not unbuffered:
+            binary = io.BufferedWriter(binary)
+        setattr(
+            sys,
+            name,
+            io.TextIOWrapper(
+                binary,
+                encoding=getattr(old, "encoding", None),
+                errors=getattr(old, "errors", None),
+                line_buffering=os.isatty(fd) or name == "stderr",
+                write_through=unbuffered,
+            ),
+        )
 
 
 if __name__ == "__main__":
