@@ -118,6 +118,14 @@ class Launch:
     def faults(self) -> list[dict]:
         return [e for e in self.events() if e["kind"] == "fault"]
 
+    def training_under_the_wrapper(self, step: int) -> bool:
+        """At ``step``, and the controller knows the workers run under the Wrapper (a
+        worker lost before that is a cold restart, not an in-process one)."""
+        try:
+            return self.running_at_step(step) and self.state()["wrapper_managed"] is True
+        except (FileNotFoundError, json.JSONDecodeError):
+            return False
+
     def running_at_step(self, step: int) -> bool:
         try:
             return json.loads((self.out / "checkpoint.json").read_text())["step"] >= step
@@ -174,7 +182,7 @@ def check_after_run(launch: Launch) -> None:
 @pytest.mark.parametrize("victim", [1, 0])
 def test_worker_sigkill_relaunch_and_rejoin(tmp_path, victim):
     with Launch(tmp_path, script_args=["--steps", "100000", "--step-time", "0.03"]) as launch:
-        launch.wait_until(lambda: launch.running_at_step(20), what="training")
+        launch.wait_until(lambda: launch.training_under_the_wrapper(20), what="training")
         killed_at = time.time()
         os.kill(launch.state()["workers"][str(victim)]["pid"], signal.SIGKILL)
         # survivors go on in-process at world size 3, then the relaunched worker rejoins
@@ -193,7 +201,7 @@ def test_worker_sigkill_relaunch_and_rejoin(tmp_path, victim):
 @pytest.mark.timeout(240)
 def test_controller_sigkill_is_recovered(tmp_path):
     with Launch(tmp_path, script_args=["--steps", "100000", "--step-time", "0.03"]) as launch:
-        launch.wait_until(lambda: launch.running_at_step(20), what="training")
+        launch.wait_until(lambda: launch.training_under_the_wrapper(20), what="training")
         first = int((launch.state_dir / "controller.pid").read_text())
         os.kill(first, signal.SIGKILL)
         launch.wait_until(
