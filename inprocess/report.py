@@ -571,14 +571,20 @@ def main(argv: list[str] | None = None, prog: str = "python -m inprocess.report"
         print(f"{prog}: no records in {', '.join(args.paths)}", file=sys.stderr)
         return 1
     summary = summarize(records)
-    print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
-    if args.plot:
-        try:
-            plot(records, args.plot, title_of(summary))
-        except ImportError as ex:
-            print(f"{prog}: {ex}", file=sys.stderr)
-            return 3
-        print(f"timeline: {args.plot}")
+    try:
+        print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
+        if args.plot:
+            try:
+                plot(records, args.plot, title_of(summary))
+            except ImportError as ex:
+                print(f"{prog}: {ex}", file=sys.stderr)
+                return 3
+            print(f"timeline: {args.plot}")
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # the reader went away (`... | head`): not an error of ours; keep Python
+        # from complaining about the unflushed stdout at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 
