@@ -118,13 +118,17 @@ class Launch:
     def faults(self) -> list[dict]:
         return [e for e in self.events() if e["kind"] == "fault"]
 
-    def training_under_the_wrapper(self, step: int) -> bool:
-        """At ``step``, and the controller knows the workers run under the Wrapper (a
-        worker lost before that is a cold restart, not an in-process one)."""
+    def wrapper_known(self) -> bool:
+        """The controller knows the workers run under the Wrapper (a worker lost
+        before that gets a cold restart of the job, not an in-process one)."""
         try:
-            return self.running_at_step(step) and self.state()["wrapper_managed"] is True
+            return self.state()["wrapper_managed"] is True
         except (FileNotFoundError, json.JSONDecodeError):
             return False
+
+    def training_under_the_wrapper(self, step: int) -> bool:
+        """At ``step``, and :meth:`wrapper_known`."""
+        return self.running_at_step(step) and self.wrapper_known()
 
     def running_at_step(self, step: int) -> bool:
         try:

@@ -18,8 +18,14 @@ TWO_CALLS = REPO / "tests" / "workers" / "two_calls.py"
 @pytest.mark.timeout(240)
 def test_worker_killed_in_second_call_rejoins_that_call(tmp_path):
     victim = 1
+    trigger = tmp_path / "crash"
     args = ["--steps", "60", "--crash-rank", str(victim), "--crash-step", "10"]
+    args += ["--crash-trigger", str(trigger)]
     with Launch(tmp_path, script=TWO_CALLS, script_args=args) as job:
+        # the crash once the controller knows the job runs under the Wrapper (a
+        # worker lost before that gets a cold restart of the job, rightly)
+        job.wait_until(job.wrapper_known, what="the Wrapper seen")
+        trigger.touch()
         code = job.finish(timeout=200)
         assert code == 0, job.output()
         state = job.state()

@@ -33,6 +33,12 @@ parser.add_argument("--result-dir", type=Path, default=Path("."))
 parser.add_argument("--crash-rank", type=int, default=-1)
 parser.add_argument("--crash-step", type=int, default=10)
 parser.add_argument("--abort", action="store_true")
+parser.add_argument(
+    "--crash-trigger",
+    type=Path,
+    default=None,
+    help="in call 1, every rank waits at --crash-step until this file exists",
+)
 args = parser.parse_args()
 
 RANK = int(os.environ["RANK"])
@@ -63,6 +69,10 @@ def train(call: int, steps: int, call_wrapper: inprocess.CallWrapper | None = No
     full = world == FULL_WORLD
     for step in range(steps if call == 0 or full else 100 * steps):
         if call == 1 and step == args.crash_step:
+            deadline = time.monotonic() + 120
+            while args.crash_trigger and not args.crash_trigger.exists():
+                assert time.monotonic() < deadline, "no crash trigger"
+                time.sleep(0.01)
             if RANK == args.crash_rank and INCARNATION == 0:
                 os.kill(os.getpid(), signal.SIGKILL)
             if args.abort and RANK == 0 and call_wrapper.iteration == 0:
