@@ -207,7 +207,12 @@ def faults_of(
         {initial_rank_of(str(e["rank"])) for e in entries if e.get("reason") == _JOIN_REQUEST}
     )
     real = [e for e in entries if e.get("reason") != _JOIN_REQUEST]
-    primary = [e for e in real if not protocol.derived(str(e.get("reason", "")))] or real
+    primary = [e for e in real if not protocol.derived(str(e.get("reason", "")))]
+    if not primary and not joined:
+        primary = real
+    # With a join request and nothing but derived errors, the restart is the one
+    # that admits the joiner: the survivors' collectives broke because it was
+    # interrupted, not because of a fault.
     faults: list[dict[str, Any]] = []
     seen: set[str] = set()
     for entry in primary:

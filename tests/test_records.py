@@ -282,3 +282,17 @@ def test_stop_reasons_that_are_limits(reason, limit):
     from inprocess.failover.controller import _LIMIT
 
     assert bool(_LIMIT.search(reason)) is limit
+
+
+def test_restart_that_admits_a_joiner_is_not_a_fault():
+    """The survivors' broken collectives of an admission restart are not faults."""
+    derived = "RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:1234"
+    entries = [
+        {"rank": "1/1.b", "reason": R._JOIN_REQUEST, "time": 1.0},
+        {"rank": "0/0.a", "reason": derived, "time": 1.1},
+    ]
+    faults, joined, fault_time = R.faults_of(entries, ["0/0.a", "2/0.c"])
+    assert (faults, joined, fault_time) == ([], [1], None)
+    # without a join request, a derived error is still reported (nothing better known)
+    faults, joined, _ = R.faults_of(entries[1:], ["0/0.a", "2/0.c"])
+    assert [f["cause"] for f in faults] == ["connection"] and joined == []
