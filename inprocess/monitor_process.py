@@ -98,8 +98,8 @@ class _ForkedChild:
                 self.returncode = os.waitstatus_to_exitcode(status)
         return self.returncode
 
-    def wait(self, timeout: float) -> int:
-        deadline = time.monotonic() + timeout
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = time.monotonic() + timeout if timeout is not None else float("inf")
         while self.poll() is None:
             if time.monotonic() >= deadline:
                 raise subprocess.TimeoutExpired(f"monitor process {self.pid}", timeout)

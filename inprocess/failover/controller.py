@@ -168,7 +168,8 @@ class Controller:
             if self._stop_signal is not None:
                 name = signal.Signals(self._stop_signal).name
                 code, reason = signal_exit_code(self._stop_signal), f"stopped by {name}"
-                if _launcher_gone():  # our SIGTERM came from the kernel (PR_SET_PDEATHSIG)
+                # our SIGTERM came from the kernel (PR_SET_PDEATHSIG)?
+                if _launcher_gone(wait=1.0 if self._stop_signal == signal.SIGTERM else 0.0):
                     code, reason = policy.FAILURE_EXIT_CODE, "inprocess-run died: stopping the job"
                 self.apply(policy.request_stop(self.state, code, reason, now=time.time()))
                 continue
@@ -747,10 +748,23 @@ def _write_pid_file(path: Path) -> None:
         raise
 
 
-def _launcher_gone() -> bool:
-    """Whether the supervisor that started us (``INPROCESS_SUPERVISOR_PID``) is gone."""
+def _launcher_gone(wait: float = 0.0) -> bool:
+    """Whether the supervisor that started us (``INPROCESS_SUPERVISOR_PID``) is gone,
+    waiting up to ``wait`` seconds for it to go.
+
+    The kernel sends the death signal when the supervisor's *thread* that started
+    us ends; a killed supervisor with other threads (its console) is still our
+    parent for a moment after that, until its last thread is gone.
+    """
     expected = os.environ.get("INPROCESS_SUPERVISOR_PID")
-    return bool(expected) and os.getppid() != int(expected)
+    if not expected:
+        return False
+    deadline = time.monotonic() + wait
+    while os.getppid() == int(expected):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
