@@ -37,8 +37,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 from .progress_watchdog import ProgressBoard
 
@@ -46,6 +47,9 @@ log = logging.getLogger(__name__)
 
 #: seconds a monitor may spend reporting its rank's death before it gives up
 REPORT_DEADLINE = 30
+#: seconds a forked monitor process may take to report ready before it is
+#: presumed deadlocked and replaced by a fresh interpreter (see MonitorProcess.start)
+FORK_START_GRACE = 10.0
 #: how many successors in the membership ring each monitor watches
 WATCHED_PEERS = 2
 
@@ -133,15 +137,39 @@ class MonitorProcess:
         self._ready_r: int | None = None
 
     def start(self, timeout: float) -> None:
-        """Starts the process and waits until it is connected to the store."""
+        """Starts the process and waits until it is connected to the store.
+
+        A forked child that is still alive but not ready after
+        :data:`FORK_START_GRACE` is presumed deadlocked: :func:`fork_is_safe`
+        sees Python threads only, and a native thread (a library's pool, a
+        store client's loop) may have held a lock (the allocator's, the
+        logging module's) at the fork. It is killed and a fresh interpreter,
+        which inherits no lock, is started with the time left.
+        """
+        deadline = time.monotonic() + timeout
+        if fork_is_safe():
+            if self._start_once(self._fork, min(FORK_START_GRACE, timeout / 2)):
+                return
+            assert self.process is not None
+            if self.process.poll() is not None:  # it failed: a fresh one would fail alike
+                self._fail(timeout)
+            log.warning(
+                "forked monitor process %d not ready after %.3gs; killing it and starting"
+                " a fresh interpreter",
+                self.process.pid,
+                min(FORK_START_GRACE, timeout / 2),
+            )
+            self._discard()
+        if not self._start_once(self._spawn, max(deadline - time.monotonic(), 0.0)):
+            self._fail(timeout)
+
+    def _start_once(self, launch: Callable[[_Fds], None], timeout: float) -> bool:
+        """Starts one child with ``launch``; whether it reported ready within ``timeout``."""
         control_r, control_w = os.pipe()
         ready_r, ready_w = os.pipe()
         fds = _Fds(board=self.board.fd, control=control_r, ready=ready_w)
         try:
-            if fork_is_safe():
-                self._fork(fds)
-            else:
-                self._spawn(fds)
+            launch(fds)
         except BaseException:
             os.close(control_w)
             os.close(ready_r)
@@ -152,13 +180,26 @@ class MonitorProcess:
         self._control_w = control_w
         self._ready_r = ready_r
         ready, _, _ = select.select([ready_r], [], [], timeout)
-        message = os.read(ready_r, 1) if ready else b""
-        if message != _READY:
-            self.shutdown()
-            raise RuntimeError(
-                f"the monitor process did not start within {timeout:.3g}s"
-                f" (exit code {self.process.poll()})"
-            )
+        return (os.read(ready_r, 1) if ready else b"") == _READY
+
+    def _discard(self) -> None:
+        """Kills the child that did not start, and closes its pipes."""
+        assert self.process is not None
+        self.process.kill()
+        self.process.wait(timeout=10.0)
+        self.process = None
+        self.forked = False
+        for fd in (self._control_w, self._ready_r):
+            if fd is not None:
+                os.close(fd)
+        self._control_w = self._ready_r = None
+
+    def _fail(self, timeout: float) -> NoReturn:
+        code = self.process.poll() if self.process is not None else None
+        self.shutdown()
+        raise RuntimeError(
+            f"the monitor process did not start within {timeout:.3g}s (exit code {code})"
+        )
 
     def _fork(self, fds: _Fds) -> None:
         keep = {fds.board, fds.control, fds.ready}

@@ -25,9 +25,11 @@ Outcome
 
 Terminated ranks
     ``terminated`` is an append-only list of identities. Marking a rank terminated
-    appends it *before* incrementing ``faults``; deciders read ``faults`` *before*
-    ``terminated``. So a death is either part of a decision's terminated set or
-    raises the counter above that decision's baseline, never neither.
+    appends its reason to the fault log, then appends it to the list, then
+    increments ``faults``; deciders read ``faults`` *before* ``terminated``. So a
+    death is either part of a decision's terminated set or raises the counter
+    above that decision's baseline, never neither; and a listed death always has
+    its reason in the fault log (every rank logs the restart's root cause).
 
 Rendezvous
     A rendezvous completes when every participant has either arrived or been
@@ -65,6 +67,7 @@ AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
 NAMESPACE_ENV = "INPROCESS_STORE_NAMESPACE"
 #: environment variable with the number of this process among the worker's starts
 INCARNATION_ENV = "INPROCESS_WORKER_INCARNATION"
+
 
 def new_identity(initial_rank: int, incarnation: int = 0) -> str:
     """A process-unique identity: ``"<initial rank>/<incarnation>.<random>"``."""
@@ -234,10 +237,14 @@ class StoreMixin:
         """
         won, _ = self.set_once(P.per_identity(P.TERMINATED, identity), uuid.uuid4().hex)
         if won:
-            # Order matters, see the module docstring: list first, counter second.
+            # Order matters, see the module docstring: the reason first, then
+            # the list, then the counters. Whoever sees the death listed (a
+            # rendezvous decider) finds its reason in the fault log already.
+            entry = P.fault_entry(identity, P.TERMINATED_PREFIX + reason, time.time())
+            self.append(P.FAULT_LOG, entry)
             self.append(P.TERMINATED, P.identity_record(identity))
             self.add(P.TERMINATED_EPOCH, 1)
-            self.record_fault(identity, P.TERMINATED_PREFIX + reason)
+            self.add(P.FAULTS, 1)
         return won
 
     def terminated(self) -> set[str]:

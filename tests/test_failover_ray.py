@@ -165,7 +165,9 @@ def test_worker_kill_controller_kill_and_node_loss(tmp_path, cluster):
         "1",
         script_args=["--steps", "100000", "--step-time", "0.02"],
     ) as launch:
-        wait_for(lambda: launch.running_at_step(10), launch, 150, "training")
+        # the controller must know the job runs under the Wrapper before the kill:
+        # a worker lost before that is a cold restart of the job, not a rejoin
+        wait_for(lambda: launch.training_under_the_wrapper(10), launch, 150, "training")
         # 1. a worker dies: the survivors go on in-process, its replacement rejoins
         # (made from a warm standby of its node's agent)
         standbys = _standby_pids(launch.job_id)

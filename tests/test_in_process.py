@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import socket
 
 import pytest
@@ -71,6 +72,55 @@ def test_restart_in_this_process_leaves_nothing_behind(single_rank, tmp_path, mo
     stop.set()
     if other.is_alive():
         other.join()
+
+
+@pytest.mark.timeout(120)
+def test_forked_monitor_that_deadlocks_is_replaced_by_a_fresh_interpreter(
+    single_rank, tmp_path, monkeypatch
+):
+    """A forked monitor stuck before it is ready (a lock a native thread held at the
+    fork) is killed after the grace, and a fresh interpreter monitors the rank."""
+    import time
+
+    import torch.distributed as dist
+
+    from inprocess import monitor_process
+    from inprocess.monitor_process import fork_is_safe
+
+    assert fork_is_safe()
+    # the child inherits this: it hangs where a deadlocked child would
+    monkeypatch.setattr(monitor_process, "_sanitize_after_fork", lambda keep: time.sleep(3600))
+    monkeypatch.setattr(monitor_process, "FORK_START_GRACE", 0.5)
+    started = []
+    real_start_once = monitor_process.MonitorProcess._start_once
+
+    def start_once(self, launch, timeout):
+        ok = real_start_once(self, launch, timeout)
+        started.append((launch.__name__, ok, self.process.pid))
+        return ok
+
+    monkeypatch.setattr(monitor_process.MonitorProcess, "_start_once", start_once)
+
+    @inprocess.Wrapper(
+        monitor_thread_interval=20 * ms,
+        monitor_process_interval=20 * ms,
+        progress_watchdog_interval=20 * ms,
+        last_call_wait=10 * ms,
+        soft_timeout=30 * s,
+        hard_timeout=60 * s,
+        monitor_process_logfile=str(tmp_path / "monitor_{rank}.log"),
+    )
+    def train():
+        dist.init_process_group("gloo")
+        dist.destroy_process_group()
+        return 7
+
+    assert train() == 7
+    assert [(name, ok) for name, ok, _ in started] == [("_fork", False), ("_spawn", True)]
+    forked_pid = started[0][2]
+    with pytest.raises(ChildProcessError):
+        os.waitpid(forked_pid, os.WNOHANG)  # killed and reaped, not left behind
+    assert "monitoring rank" in (tmp_path / "monitor_0.log").read_text()
 
 
 @pytest.mark.timeout(60)

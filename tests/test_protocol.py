@@ -166,3 +166,25 @@ def test_read_api_follows_what_the_store_mixin_writes():
     assert [e["rank"] for e in log] == ["1/0.b", "0/0.a"]
     assert P.terminations(log) == {"1/0.b": "terminated: RestartAbort: gave up"}
     assert not P.initial_done(raw, call)
+
+
+def test_a_listed_death_has_its_reason_in_the_fault_log_already():
+    """A decider that sees a death in ``terminated`` finds why in the fault log.
+
+    Every rank logs the root cause of a restart from the fault log as it was when
+    the rendezvous decided; a death listed before its reason was logged made some
+    ranks log "unknown" for a killed peer.
+    """
+    seen: list[tuple[list[str], dict[str, str]]] = []
+
+    class WatchedStore(HashStore):
+        def append(self, key: str, value: str) -> None:
+            super().append(key, value)
+            if key == P.TERMINATED:
+                listed = P.split_identities(self.get(P.TERMINATED).decode())
+                seen.append((listed, P.terminations(P.parse_fault_log(self.get_or(P.FAULT_LOG)))))
+
+    store = WatchedStore()
+    store.mark_terminated("2/0.c", "died")
+    assert seen == [(["2/0.c"], {"2/0.c": "terminated: died"})]
+    assert store.counter(P.FAULTS) == 1 and store.terminated_epoch() == 1
