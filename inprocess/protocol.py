@@ -57,6 +57,8 @@ FAULTS = "faults"
 FAULT_LOG = "fault_log"
 TERMINATED = "terminated"
 TERMINATED_EPOCH = "terminated_epoch"
+#: per identity: set once a listed death's fault is counted (see StoreMixin.mark_terminated)
+COUNTED = "counted"
 LEFT = "left"
 JOIN_REQUESTS = "join_requests"
 MEMBERSHIP = "membership"
@@ -87,7 +89,8 @@ def role_of(call_ns: str) -> str:
 
 
 def per_identity(kind: str, identity: str) -> str:
-    """A per-rank key: ``terminated``, ``left``, ``completed`` or ``heartbeat`` of ``identity``."""
+    """A per-rank key: ``terminated``, ``counted``, ``left``, ``completed`` or ``heartbeat``
+    of ``identity``."""
     return f"{kind}/{identity}"
 
 

@@ -26,10 +26,13 @@ Outcome
 Terminated ranks
     ``terminated`` is an append-only list of identities. Marking a rank terminated
     appends its reason to the fault log, then appends it to the list, then
-    increments ``faults``; deciders read ``faults`` *before* ``terminated``. So a
-    death is either part of a decision's terminated set or raises the counter
-    above that decision's baseline, never neither; and a listed death always has
-    its reason in the fault log (every rank logs the restart's root cause).
+    increments ``faults``, then marks it ``counted``; deciders read ``faults``
+    *before* ``terminated``. So a death is either part of a decision's
+    terminated set or raises the counter above that decision's baseline, never
+    neither; a listed death always has its reason in the fault log (every rank
+    logs the restart's root cause); and a decider reads again until each death
+    it lists is counted, so a death is not *both* either (which would restart
+    the iteration it decided for nothing).
 
 Rendezvous
     A rendezvous completes when every participant has either arrived or been
@@ -60,6 +63,9 @@ from .exception import TimeoutError as RestartTimeoutError
 from .security import bound_port, keyed_namespace, listen_fd
 
 log = logging.getLogger(__name__)
+
+#: seconds a decider waits for the listed deaths of its rendezvous to be counted
+COUNTED_WAIT = 1.0
 
 #: environment variable naming a store hosted outside the workers (torchrun's convention)
 AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
@@ -245,6 +251,7 @@ class StoreMixin:
             self.append(P.TERMINATED, P.identity_record(identity))
             self.add(P.TERMINATED_EPOCH, 1)
             self.add(P.FAULTS, 1)
+            self.set(P.per_identity(P.COUNTED, identity), "1")
         return won
 
     def terminated(self) -> set[str]:
@@ -409,9 +416,21 @@ class StoreMixin:
         members: Sequence[str],
         decide: Callable[[dict[str, str], set[str], int], str],
     ) -> str:
-        # Read order is the protocol's invariant: faults, then terminated.
-        baseline = self.fault_count()
-        terminated = self.terminated().intersection(members)
+        # Read order is the protocol's invariant: faults, then terminated. A
+        # member listed as dead whose fault is not counted yet would raise the
+        # counter above this baseline a moment later and fault the iteration
+        # decided here for a death it already handles: read both again until
+        # every listed death of a member is counted. Bounded: an observer that
+        # died between listing and counting never counts it (the counter then
+        # never rises for it either).
+        deadline = time.monotonic() + COUNTED_WAIT
+        while True:
+            baseline = self.fault_count()
+            terminated = self.terminated().intersection(members)
+            counted = [P.per_identity(P.COUNTED, i) for i in terminated]
+            if not counted or self.check(counted) or time.monotonic() >= deadline:
+                break
+            time.sleep(0.001)
         arrivals = self._arrivals(name)
         arrivals = {i: arrivals[i] for i in members if i in arrivals}
         return decide(arrivals, terminated, baseline)

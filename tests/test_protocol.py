@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch.distributed as dist
 
@@ -188,3 +191,51 @@ def test_a_listed_death_has_its_reason_in_the_fault_log_already():
     store.mark_terminated("2/0.c", "died")
     assert seen == [(["2/0.c"], {"2/0.c": "terminated: died"})]
     assert store.counter(P.FAULTS) == 1 and store.terminated_epoch() == 1
+
+
+def test_a_decision_waits_until_the_deaths_it_lists_are_counted():
+    """A death listed but not yet counted would fault the iteration decided without
+    it a moment later (a spurious restart): the decider reads until it is counted."""
+    store = HashStore()
+    # an observer between listing the death and counting its fault
+    store.append(P.TERMINATED, P.identity_record("1/0.b"))
+    seen = []
+
+    def decide(arrivals, terminated, baseline):
+        seen.append((terminated, baseline))
+        return "decided"
+
+    def count_later():
+        time.sleep(0.2)
+        store.add(P.FAULTS, 1)
+        store.set(P.per_identity(P.COUNTED, "1/0.b"), "1")
+
+    observer = threading.Thread(target=count_later)
+    observer.start()
+    try:
+        store._decide("r", ["0/0.a", "1/0.b"], decide)
+    finally:
+        observer.join()
+    assert seen == [({"1/0.b"}, 1)]
+
+
+def test_a_death_never_counted_delays_a_decision_boundedly(monkeypatch):
+    """An observer that died between listing and counting: the counter never rises
+    for that death, so deciding without its count after the bound is right."""
+    from inprocess import store as store_module
+
+    monkeypatch.setattr(store_module, "COUNTED_WAIT", 0.1)
+    store = HashStore()
+    store.append(P.TERMINATED, P.identity_record("1/0.b"))
+    started = time.monotonic()
+    decision = store._decide("r", ["0/0.a", "1/0.b"], lambda a, t, b: f"{sorted(t)} {b}")
+    assert decision == "['1/0.b'] 0"
+    assert time.monotonic() - started < 5
+
+
+def test_mark_terminated_counts_the_death_last():
+    store = HashStore()
+    assert store.mark_terminated("2/0.c", "died")
+    assert store.check([P.per_identity(P.COUNTED, "2/0.c")]) and store.fault_count() == 1
+    assert not store.mark_terminated("2/0.c", "again")  # idempotent
+    assert store.fault_count() == 1
