@@ -152,6 +152,15 @@ def training_intervals(records: Sequence[dict[str, Any]]) -> list[tuple[float, f
     return intervals
 
 
+#: controller events drawn as a line across every lane: line colour, style and
+#: width, text colour, label (a format string over the event's fields)
+_JOB_MARKERS = {
+    "node_relaunch": ("#1f77b4", "--", 1.2, "#1f77b4", " node {node} moved"),
+    "cold_restart": ("#9467bd", "-", 1.5, "#9467bd", " cold restart (gen {generation})"),
+    "controller_recovery": ("#7f7f7f", ":", 1.5, "#555555", " controller recovered"),
+}
+
+
 def summarize(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The report's numbers (see the module docstring for their definitions)."""
     restarts = [r for r in records if r.get("type") == "restart"]
@@ -167,12 +176,13 @@ def summarize(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     latencies = [float(r["latency"]) for r in restarts if r.get("latency") is not None]
 
     faults_by_kind: collections.Counter[str] = collections.Counter()
+    admissions = 0
     for r in restarts:
         # a restart's root cause: the ranks that a hang stalls all time out, one fault
         if r.get("faults"):
             faults_by_kind[str(r["faults"][0].get("cause"))] += 1
         elif r.get("joined"):
-            faults_by_kind["join (relaunched worker)"] += 1
+            admissions += 1  # it let a relaunched worker in: not a fault
 
     # Where each initial rank ran, for the per-node counts of in-process faults.
     node_of: dict[int, Any] = {}
@@ -206,6 +216,7 @@ def summarize(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "in_recovery": sum(latencies),
         "goodput": training / wall if wall > 0 else None,
         "restarts": len(restarts),
+        "admissions": admissions,
         "faults_by_kind": dict(faults_by_kind),
         "latency": {
             "median": percentile(latencies, 50),
@@ -243,7 +254,12 @@ def format_summary(s: dict[str, Any]) -> str:
         ("training time", _seconds(s["training_time"])),
         ("goodput", goodput),
         ("time lost", f"{_seconds(s['time_lost'])} (in recovery: {_seconds(s['in_recovery'])})"),
-        ("in-process restarts", str(s["restarts"])),
+        (
+            "in-process restarts",
+            f"{s['restarts']} (admitting a relaunched worker: {s['admissions']})"
+            if s.get("admissions")
+            else str(s["restarts"]),
+        ),
     ]
     lat = s["latency"]
     rows.append(
@@ -434,37 +450,14 @@ def plot(records: Sequence[dict[str, Any]], path: Any, title: str = "") -> None:
                 linewidths=0.6,
                 zorder=6,
             )
-        elif name == "node_relaunch":
-            ax.axvline(t, color="#1f77b4", ls="--", lw=1.2, zorder=3)
+        elif name in _JOB_MARKERS:
+            color, style, width, text_color, label = _JOB_MARKERS[name]
+            ax.axvline(t, color=color, ls=style, lw=width, zorder=3)
             ax.text(
                 t,
                 1.0,
-                f" node {r.get('node')} moved",
-                color="#1f77b4",
-                fontsize=8,
-                va="bottom",
-                rotation=30,
-                transform=top,
-            )
-        elif name == "cold_restart":
-            ax.axvline(t, color="#9467bd", ls="-", lw=1.5, zorder=3)
-            ax.text(
-                t,
-                1.0,
-                f" cold restart (gen {r.get('generation')})",
-                color="#9467bd",
-                fontsize=8,
-                va="bottom",
-                rotation=30,
-                transform=top,
-            )
-        elif name == "controller_recovery":
-            ax.axvline(t, color="#7f7f7f", ls=":", lw=1.5, zorder=3)
-            ax.text(
-                t,
-                1.0,
-                " controller recovered",
-                color="#555555",
+                label.format_map(collections.defaultdict(lambda: "?", r)),
+                color=text_color,
                 fontsize=8,
                 va="bottom",
                 rotation=30,

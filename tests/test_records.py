@@ -213,6 +213,32 @@ def test_summary_numbers_match_the_records():
         assert expected in text
 
 
+def test_admission_restarts_are_counted_apart_from_faults():
+    """The restart that lets a relaunched worker in has no fault of its own."""
+    recs = synthetic(ranks=4, restarts=2)
+    last = max(r["time"] for r in recs if r["type"] == "restart")
+    recs.append(
+        {
+            "type": "restart",
+            "time": last + 0.5,
+            "iteration": 9,
+            "world_size": 4,
+            "faults": [],
+            "terminated": [],
+            "activated": [],
+            "joined": [0],
+            "phases": {},
+            "latency": 0.05,
+            "job": "j",
+            "call": 0,
+        }
+    )
+    s = report.summarize(sorted(recs, key=lambda r: r["time"]))
+    assert s["restarts"] == 3 and s["admissions"] == 1
+    assert sum(s["faults_by_kind"].values()) == 2
+    assert "3 (admitting a relaunched worker: 1)" in report.format_summary(s)
+
+
 def test_report_command_on_a_state_dir_prints_and_plots(tmp_path, capsys, matplotlib_warm):
     state_dir = tmp_path / "state"
     state_dir.mkdir()
@@ -235,6 +261,7 @@ def test_timeline_of_64_ranks(tmp_path, matplotlib_warm):
     recs = sorted(synthetic(ranks=64, restarts=6), key=lambda r: r["time"])
     recs.append(R.event("node_relaunch", recs[-1]["time"] - 20, node=2, slot=9))
     recs.append(R.event("cold_restart", recs[-1]["time"] - 15, generation=1))
+    recs.append(R.event("controller_recovery", recs[-1]["time"] - 10))
     recs.sort(key=lambda r: r["time"])
     png = tmp_path / "t64.png"
     report.plot(recs, png, report.title_of(report.summarize(recs)))
