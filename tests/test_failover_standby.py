@@ -9,13 +9,13 @@ import dataclasses
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import psutil
 import pytest
+from test_failover_e2e import Launch
 
 from inprocess.failover.backends import WorkerLaunch
 from inprocess.failover.backends.local import LocalBackend
@@ -166,14 +166,6 @@ def test_dead_standby_is_replaced_and_closed_pool_leaves_nothing(tmp_path):
 
 # ---------------------------------------------------------------- inprocess-run end to end
 
-REPO = Path(__file__).resolve().parent.parent
-RUN = [sys.executable, "-m", "inprocess.failover.cli"]
-ENV = dict(
-    os.environ,
-    PYTHONWARNINGS="ignore:Failed to initialize NumPy",
-    RES_OPTIONS="timeout:1 attempts:1",
-)
-
 
 def _standbys(job_id: str) -> list[psutil.Process]:
     found = []
@@ -210,49 +202,24 @@ def _running_pids(state_dir: Path) -> dict[int, int]:
     }
 
 
-class _Job:
+class _Job(Launch):
+    """An ``inprocess-run`` job of 1 node x 2 workers (``examples/train.py``), with
+    ``--standby 1`` unless ``flags`` say otherwise."""
+
     def __init__(self, tmp: Path, *flags: str, steps: int = 100000) -> None:
         tmp.mkdir(parents=True, exist_ok=True)
-        self.state_dir = tmp / "state"
-        self.job_id = f"standby-{os.getpid()}-{time.monotonic_ns()}"
-        self.log = open(tmp / "launcher.log", "wb")
-        self.proc = subprocess.Popen(
-            [
-                *RUN,
-                "--nnodes",
-                "1",
-                "--nproc-per-node",
-                "2",
-                "--state-dir",
-                str(self.state_dir),
-                "--job-id",
-                self.job_id,
-                "--monitor-interval",
-                "0.05",
-                *flags,
-                str(REPO / "examples" / "train.py"),
-                "--steps",
-                str(steps),
-                "--step-time",
-                "0.05",
-                "--result-dir",
-                str(tmp / "out"),
-            ],
-            env=ENV,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
+        if "--standby" not in flags:
+            flags = ("--standby", "1", *flags)
+        super().__init__(
+            tmp,
+            "--nnodes",
+            "1",
+            *flags,
+            script_args=["--steps", str(steps), "--step-time", "0.05"],
         )
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        for p in job_processes(self.job_id):
-            with contextlib.suppress(psutil.Error):
-                p.kill()
-        self.log.close()
+        self.__exit__(None, None, None)
 
     def nothing_left(self) -> None:
         left = _wait(lambda: not job_processes(self.job_id) or None, 20, "the job's processes")
@@ -324,8 +291,10 @@ def test_cold_restart_takes_the_spare_store_server_and_limits_leave_nothing(tmp_
         spare = _wait(lambda: _store_servers(limited.job_id) - {current}, 60, "a spare server")
         os.kill(current, signal.SIGKILL)
         new = _wait(
-            lambda: (_state(limited.state_dir).get("store") or {}).get("pid", current) != current
-            and _state(limited.state_dir)["store"]["pid"],
+            lambda: (
+                (_state(limited.state_dir).get("store") or {}).get("pid", current) != current
+                and _state(limited.state_dir)["store"]["pid"]
+            ),
             60,
             "a cold restart",
         )
