@@ -33,6 +33,7 @@ import itertools
 import logging
 import os
 import re
+import sys
 import threading
 import time
 import types
@@ -342,6 +343,8 @@ class CallWrapper:
         self._restart_cause: protocol.RootCause | None = None
         self._finished_iteration: _Iteration | None = None
         self._records = _records.Recorder(None, self.identity, "", 0)  # disabled until _start
+        #: sys.excepthook when the call started (see _function_environment)
+        self._excepthook = sys.excepthook
 
     # ---------------------------------------------------------------- public controls
 
@@ -931,6 +934,12 @@ class CallWrapper:
     @contextlib.contextmanager
     def _function_environment(self, current: _Iteration) -> Iterator[None]:
         s = self.state
+        # Each init_process_group wraps sys.excepthook in one more layer that
+        # prefixes "[rank<r>]: " (torch's, for the process's life); restarted
+        # in-process, a traceback would carry one prefix per restart, of ranks
+        # this process no longer has. Torch's layer of a previous iteration goes.
+        if sys.excepthook is not self._excepthook and _is_torch_excepthook(sys.excepthook):
+            sys.excepthook = self._excepthook
         os.environ["RANK"] = str(s.rank if s.active_rank is None else s.active_rank)
         os.environ["WORLD_SIZE"] = str(s.active_world_size)
         with fresh_env_rendezvous(self.store, current.index):
@@ -1066,6 +1075,13 @@ class _Result:
     completed: bool = False
     value: Any = None
     exception: BaseException | None = None
+
+
+def _is_torch_excepthook(hook: Any) -> bool:
+    """Whether ``hook`` is the one ``init_process_group`` installs."""
+    return getattr(hook, "__qualname__", "").endswith("_distributed_excepthook") and getattr(
+        hook, "__module__", ""
+    ).startswith("torch.distributed")
 
 
 def _decide_membership(

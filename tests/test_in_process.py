@@ -123,6 +123,40 @@ def test_forked_monitor_that_deadlocks_is_replaced_by_a_fresh_interpreter(
     assert "monitoring rank" in (tmp_path / "monitor_0.log").read_text()
 
 
+@pytest.mark.timeout(120)
+def test_tracebacks_carry_one_rank_prefix_however_many_restarts(single_rank, capsys):
+    """init_process_group wraps sys.excepthook in a "[rank<r>]: " layer each time:
+    restarted in-process, only the current iteration's layer is kept."""
+    import sys
+
+    import torch.distributed as dist
+
+    before = sys.excepthook
+    printed = []
+
+    @inprocess.Wrapper(
+        monitor_thread_interval=20 * ms,
+        monitor_process_interval=20 * ms,
+        progress_watchdog_interval=20 * ms,
+        last_call_wait=10 * ms,
+    )
+    def train(call_wrapper: inprocess.CallWrapper = None):
+        dist.init_process_group("gloo")
+        if call_wrapper.iteration < 3:
+            raise RuntimeError("again")
+        try:
+            raise ValueError("shown")
+        except ValueError:
+            sys.excepthook(*sys.exc_info())
+        printed.append(capsys.readouterr().err)
+        dist.destroy_process_group()
+
+    train()
+    lines = [line for line in printed[0].splitlines() if "ValueError: shown" in line]
+    assert lines == ["[rank0]: ValueError: shown"], printed[0]
+    sys.excepthook = before
+
+
 @pytest.mark.timeout(60)
 def test_store_port_taken_by_another_socket_is_a_clear_error(single_rank, monkeypatch):
     with socket.socket() as taken:
