@@ -124,14 +124,15 @@ def test_forked_monitor_that_deadlocks_is_replaced_by_a_fresh_interpreter(
 
 
 @pytest.mark.timeout(120)
-def test_tracebacks_carry_one_rank_prefix_however_many_restarts(single_rank, capsys):
+def test_tracebacks_carry_one_rank_prefix_however_many_restarts(single_rank, capsys, monkeypatch):
     """init_process_group wraps sys.excepthook in a "[rank<r>]: " layer each time:
     restarted in-process, only the current iteration's layer is kept."""
     import sys
 
     import torch.distributed as dist
 
-    before = sys.excepthook
+    # this process may have run other groups already: their layers stay theirs
+    monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
     printed = []
 
     @inprocess.Wrapper(
@@ -154,7 +155,6 @@ def test_tracebacks_carry_one_rank_prefix_however_many_restarts(single_rank, cap
     train()
     lines = [line for line in printed[0].splitlines() if "ValueError: shown" in line]
     assert lines == ["[rank0]: ValueError: shown"], printed[0]
-    sys.excepthook = before
 
 
 @pytest.mark.timeout(60)
