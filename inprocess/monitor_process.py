@@ -148,7 +148,8 @@ class MonitorProcess:
         """
         deadline = time.monotonic() + timeout
         if fork_is_safe():
-            if self._start_once(self._fork, min(FORK_START_GRACE, timeout / 2)):
+            grace = min(FORK_START_GRACE, timeout / 2)
+            if self._start_once(self._fork, grace):
                 return
             assert self.process is not None
             if self.process.poll() is not None:  # it failed: a fresh one would fail alike
@@ -157,7 +158,7 @@ class MonitorProcess:
                 "forked monitor process %d not ready after %.3gs; killing it and starting"
                 " a fresh interpreter",
                 self.process.pid,
-                min(FORK_START_GRACE, timeout / 2),
+                grace,
             )
             self._discard()
         if not self._start_once(self._spawn, max(deadline - time.monotonic(), 0.0)):

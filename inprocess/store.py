@@ -227,8 +227,11 @@ class StoreMixin:
 
     def record_fault(self, identity: str, reason: str) -> int:
         """Records a fault attributed to ``identity``; returns the new count."""
-        self.append(P.FAULT_LOG, P.fault_entry(identity, reason, time.time()))
+        self._log_fault(identity, reason)
         return int(self.add(P.FAULTS, 1))
+
+    def _log_fault(self, identity: str, reason: str) -> None:
+        self.append(P.FAULT_LOG, P.fault_entry(identity, reason, time.time()))
 
     def fault_log(self) -> list[dict[str, Any]]:
         return P.parse_fault_log(self.get_or(P.FAULT_LOG))
@@ -246,8 +249,7 @@ class StoreMixin:
             # Order matters, see the module docstring: the reason first, then
             # the list, then the counters. Whoever sees the death listed (a
             # rendezvous decider) finds its reason in the fault log already.
-            entry = P.fault_entry(identity, P.TERMINATED_PREFIX + reason, time.time())
-            self.append(P.FAULT_LOG, entry)
+            self._log_fault(identity, P.TERMINATED_PREFIX + reason)
             self.append(P.TERMINATED, P.identity_record(identity))
             self.add(P.TERMINATED_EPOCH, 1)
             self.add(P.FAULTS, 1)

@@ -57,7 +57,8 @@ def test_consecutive_calls_end_every_way_and_leave_nothing(tmp_path, nprocs):
     assert not result.leftovers, result.leftovers
 
 
-def _wrapper(**kwargs):
+def fast_wrapper(**kwargs):
+    """A Wrapper with short intervals, for tests that restart in a few milliseconds."""
     return inprocess.Wrapper(
         monitor_thread_interval=20 * ms,
         monitor_process_interval=20 * ms,
@@ -101,7 +102,7 @@ def test_every_way_out_of_a_call_releases_the_store(single_rank):
     threads = threading.active_count()
 
     def run(ending, **kwargs):
-        @_wrapper(**kwargs)
+        @fast_wrapper(**kwargs)
         def train(call_wrapper: inprocess.CallWrapper = None):
             dist.init_process_group("gloo")
             dist.destroy_process_group()
@@ -139,7 +140,7 @@ def test_store_factory_defined_in_a_function(single_rank, monitor):
     with pytest.raises((pickle.PicklingError, AttributeError)):
         pickle.dumps(LocalStore)
 
-    @_wrapper(store_factory=LocalStore, store_kwargs={"port": single_rank})
+    @fast_wrapper(store_factory=LocalStore, store_kwargs={"port": single_rank})
     def train(call_wrapper: inprocess.CallWrapper = None):
         if call_wrapper.iteration == 0:
             raise RuntimeError("restart once")
@@ -158,7 +159,7 @@ def test_store_without_description_needs_fork_or_pickle(single_rank, monitor):
         def client_spec(self):
             return None
 
-    @_wrapper(store_factory=Opaque)
+    @fast_wrapper(store_factory=Opaque)
     def train():
         return 7
 

@@ -8,6 +8,7 @@ import os
 import socket
 
 import pytest
+from test_call_lifecycle import fast_wrapper
 
 import inprocess
 from inprocess.exception import StoreError
@@ -41,15 +42,7 @@ def test_restart_in_this_process_leaves_nothing_behind(single_rank, tmp_path, mo
     handler = signal.getsignal(inprocess.monitor_thread.INTERRUPT_SIGNAL)
     calls = []
 
-    @inprocess.Wrapper(
-        monitor_thread_interval=20 * ms,
-        monitor_process_interval=20 * ms,
-        progress_watchdog_interval=20 * ms,
-        last_call_wait=10 * ms,
-        soft_timeout=30 * s,
-        hard_timeout=60 * s,
-        monitor_process_logfile=str(tmp_path / "monitor_{rank}.log"),
-    )
+    @fast_wrapper(monitor_process_logfile=str(tmp_path / "monitor_{rank}.log"))
     def train(scale, call_wrapper: inprocess.CallWrapper = None):
         calls.append(call_wrapper.iteration)
         dist.init_process_group("gloo")
@@ -101,15 +94,7 @@ def test_forked_monitor_that_deadlocks_is_replaced_by_a_fresh_interpreter(
 
     monkeypatch.setattr(monitor_process.MonitorProcess, "_start_once", start_once)
 
-    @inprocess.Wrapper(
-        monitor_thread_interval=20 * ms,
-        monitor_process_interval=20 * ms,
-        progress_watchdog_interval=20 * ms,
-        last_call_wait=10 * ms,
-        soft_timeout=30 * s,
-        hard_timeout=60 * s,
-        monitor_process_logfile=str(tmp_path / "monitor_{rank}.log"),
-    )
+    @fast_wrapper(monitor_process_logfile=str(tmp_path / "monitor_{rank}.log"))
     def train():
         dist.init_process_group("gloo")
         dist.destroy_process_group()
@@ -135,12 +120,7 @@ def test_tracebacks_carry_one_rank_prefix_however_many_restarts(single_rank, cap
     monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
     printed = []
 
-    @inprocess.Wrapper(
-        monitor_thread_interval=20 * ms,
-        monitor_process_interval=20 * ms,
-        progress_watchdog_interval=20 * ms,
-        last_call_wait=10 * ms,
-    )
+    @fast_wrapper()
     def train(call_wrapper: inprocess.CallWrapper = None):
         dist.init_process_group("gloo")
         if call_wrapper.iteration < 3:
