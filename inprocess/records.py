@@ -446,6 +446,11 @@ class Recorder:
         )
 
     @_never_raises
+    def restore(self, record: dict[str, Any]) -> None:
+        """A ``restore`` record (:meth:`inprocess.CallWrapper.restore`), by the active rank 0."""
+        self._write({**record, "job": self.job, "call": self.call})
+
+    @_never_raises
     def completed(self, current: Any, state: Any) -> None:
         """The call completed: rank 0 writes a ``completed`` record."""
         if self.enabled and state.rank == 0:
