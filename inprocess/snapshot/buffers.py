@@ -108,15 +108,13 @@ class HostSnapshot:
 
     def _zero_padding(self) -> None:
         """Zeroes the alignment gaps: a snapshot's bytes are all defined (checksums)."""
-        ends = [
-            o + _numel(r) * _itemsize(r.dtype) for r, o in zip(self.refs, self.offsets, strict=True)
-        ]
-        starts = [*self.offsets[1:], self.nbytes]
-        for end, nxt in zip(ends, starts, strict=True):
-            if nxt > end:
-                self.data[end:nxt].zero_()
-        if not self.refs and self.nbytes:
-            self.data[: self.nbytes].zero_()
+        end = 0
+        for ref, offset in zip(self.refs, self.offsets, strict=True):
+            if offset > end:
+                self.data[end:offset].zero_()
+            end = offset + _numel(ref) * _itemsize(ref.dtype)
+        if self.nbytes > end:
+            self.data[end : self.nbytes].zero_()
 
     def views(self) -> list[torch.Tensor]:
         """Each tensor of the snapshot as a view into the buffer."""

@@ -13,9 +13,8 @@ only once the checkpoint is entirely on disk: a step directory without it, a
 write torn by a crash, is never loaded. The marker carries the skeleton
 (so a restore knows the layout before reading) and per-key checksums.
 
-Replicated state: only rank 0 writes (shard 0). One write at a time: a
-persist due while the previous one is still writing is skipped (logged), so
-training never waits for the disk. Rank 0 keeps the two newest complete steps
+Replicated state: only rank 0 writes (shard 0). One write at a time, and at
+most one waiting behind it (the newest due): training never waits for the disk. Rank 0 keeps the two newest complete steps
 and removes older ones.
 """
 
@@ -96,47 +95,67 @@ def read(root: str, step: int, shard: int, into: HostSnapshot) -> int:
 
 
 class Persister:
-    """Writes snapshots to disk in a background thread, one at a time."""
+    """Writes snapshots to disk in a background thread, one at a time.
+
+    Invariant (under ``_cond``): at most one snapshot waits behind the one
+    being written; a newer one replaces it (its private copy is dropped), so
+    a disk slower than ``persist_every`` steps writes the newest due snapshot
+    next, never an ever-growing queue, and training never waits for it.
+    """
 
     def __init__(self, root: str, every: int) -> None:
         self.root = root
         self.every = every
+        self._cond = threading.Condition()
+        self._pending: tuple[HostSnapshot, int, bool, bool] | None = None
+        self._writing = False
+        self._closing = False
         self._thread: threading.Thread | None = None
-        self._skipped = 0
+        self.skipped = 0
         self.last_error: BaseException | None = None
         self.written: list[int] = []
 
-    def due(self, commits: int) -> bool:
-        return commits % self.every == 0
-
-    @property
-    def busy(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+    def due(self, step: int) -> bool:
+        return step % self.every == 0
 
     def submit(
         self, snapshot: HostSnapshot, world_size: int, replicated: bool, prune: bool
-    ) -> bool:
-        """Starts writing a copy of ``snapshot``; ``False`` when a write is still running."""
-        if self.busy:
-            self._skipped += 1
-            log.warning(
-                "snapshot of step %s not persisted: the previous write is still running "
-                "(%d skipped so far; persist_every may be too small for this disk)",
-                snapshot.step,
-                self._skipped,
-            )
-            return False
+    ) -> None:
+        """Queues a private copy of ``snapshot`` for writing (replacing one still waiting)."""
         snapshot.wait()
         copy = HostSnapshot()
-        copy.copy_from(snapshot)  # a private copy: the slots are reused meanwhile
-        self._thread = threading.Thread(
-            target=self._write,
-            args=(copy, world_size, replicated, prune),
-            name="inprocess-snapshot-writer",
-            daemon=True,
-        )
-        self._thread.start()
-        return True
+        copy.copy_from(snapshot)  # the slots are reused meanwhile
+        with self._cond:
+            if self._pending is not None:
+                self.skipped += 1
+                log.info(
+                    "snapshot of step %s not persisted: the disk is behind (newer one queued)",
+                    self._pending[0].step,
+                )
+                self._pending[0].release()
+            self._pending = (copy, world_size, replicated, prune)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="inprocess-snapshot-writer", daemon=True
+                )
+                self._thread.start()
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._pending is None and not self._closing:
+                    self._cond.wait()
+                if self._pending is None:
+                    return
+                job, self._pending = self._pending, None
+                self._writing = True
+            try:
+                self._write(*job)
+            finally:
+                with self._cond:
+                    self._writing = False
+                    self._cond.notify_all()
 
     def _write(self, snap: HostSnapshot, world_size: int, replicated: bool, prune: bool) -> None:
         import torch.distributed.checkpoint as dcp
@@ -148,6 +167,8 @@ class Persister:
             views = snap.views()
             state = {k: layout.fill(kv[1], views) for k, kv in snap.unpickled().items()}
             path = shard_dir(self.root, step, shard)
+            if os.path.exists(marker_path(self.root, step, shard)):
+                os.unlink(marker_path(self.root, step, shard))  # rewritten: incomplete meanwhile
             os.makedirs(path, exist_ok=True)
             dcp.save(state, checkpoint_id=path, no_dist=True)
             _fsync_tree(path)
@@ -167,8 +188,8 @@ class Persister:
                 "persisted step %d shard %d in %.3fs", step, shard, time.monotonic() - started
             )
             if prune:
-                self._prune(world_size if not replicated else 1)
-        except BaseException as ex:  # a thread's error is reported, never raised into training
+                self._prune(1 if replicated else world_size)
+        except Exception as ex:  # a thread's error is reported, never raised into training
             self.last_error = ex
             log.warning("persisting the snapshot of step %s failed: %r", step, ex)
         finally:
@@ -188,12 +209,30 @@ class Persister:
             if m and int(m.group(1)) < oldest_kept:
                 shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
 
+    def flush(self, timeout: float | None = None) -> bool:
+        """Waits until everything queued is on disk; ``False`` on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._pending is not None or self._writing:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
     def close(self, timeout: float | None = None) -> None:
-        """Waits for a write in flight (a call ends with its last snapshot on disk)."""
+        """Writes what is queued (a call ends with its last due snapshot on disk), then
+        stops the thread."""
+        if not self.flush(timeout):
+            log.warning("the snapshot writer did not finish within %ss", timeout)
+        with self._cond:
+            self._closing = True
+            if self._pending is not None:
+                self._pending[0].release()
+                self._pending = None
+            self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout)
-            if self._thread.is_alive():
-                log.warning("the snapshot writer did not finish within %ss", timeout)
             self._thread = None
 
 

@@ -104,12 +104,21 @@ def train(call_wrapper: inprocess.CallWrapper = None) -> dict[str, Any]:
     guard = torch.zeros(4).as_subclass(Torn)
     state: dict[str, Any] = {"model": model, "optim": opt, "local": local, "data": {"next": 0}}
     state["guard"] = guard
-    start = call_wrapper.restore(state, replicated=replicated)
-    RESTORES.append(dict(call_wrapper.last_restore or {}))
+    try:
+        start = call_wrapper.restore(state, replicated=replicated)
+    finally:
+        if (
+            call_wrapper.last_restore is not None
+            and call_wrapper.last_restore["iteration"] == iteration
+        ):
+            RESTORES.append(dict(call_wrapper.last_restore))
     assert state["data"]["next"] == start, (state["data"], start)
+    # steps: applied; begun: started (a fault may end one before it is applied)
     ran = {"iteration": iteration, "rank": rank, "world": world, "from": start, "steps": 0}
+    ran["begun"] = 0
     RAN.append(ran)
     for step in range(start, SPEC["steps"]):
+        ran["begun"] += 1
         kind = fault_for(iteration, step)
         grads = sm.local_grads(model, step, rank, world)
         if kind == "raise":
