@@ -167,7 +167,7 @@ def test_buffers_are_reused_and_restores_do_not_alias_them():
     assert {s.data.data_ptr() for s in snaps.own.slots} == pointers
     assert all(
         torch.equal(m, opt.state[p]["momentum_buffer"])
-        for m, p in zip(momentum, model.parameters())
+        for m, p in zip(momentum, model.parameters(), strict=True)
     )
     record = snaps.last_restore
     assert record["type"] == "restore" and record["step"] == 2 and record["sources"][MEMORY] == 1
@@ -240,7 +240,7 @@ def test_persisted_snapshots_are_complete_or_ignored_and_loadable_without_us(tmp
     assert fresh["data"]["next"] == 4 and fresh_snaps.last_restore["sources"][DISK] == 1
     fresh_snaps.close()
     # the user's own code loads it with torch.distributed.checkpoint alone
-    model, opt = sm.build()
+    model, _opt = sm.build()
     target = {"model": model.state_dict()}
     dcp.load(target, checkpoint_id=persist.shard_dir(str(tmp_path), 4, 0), no_dist=True)
     model.load_state_dict(target["model"])

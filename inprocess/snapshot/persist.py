@@ -14,8 +14,8 @@ write torn by a crash, is never loaded. The marker carries the skeleton
 (so a restore knows the layout before reading) and per-key checksums.
 
 Replicated state: only rank 0 writes (shard 0). One write at a time, and at
-most one waiting behind it (the newest due): training never waits for the disk. Rank 0 keeps the two newest complete steps
-and removes older ones.
+most one waiting behind it (the newest due): training never waits for the
+disk. Rank 0 keeps the two newest complete steps and removes older ones.
 """
 
 from __future__ import annotations
