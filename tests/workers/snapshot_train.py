@@ -13,6 +13,9 @@ settings, ``max_active`` (the others are spares), ``snapshot_dir`` and
 * ``torn``: the step's commit raises in the middle of copying the state;
 * ``corrupt``: flips a byte of the newest snapshot in memory, then raises.
 
+``hold_below_world`` and ``hold_step``: at that step, while the world is
+smaller, a rank waits (for a relaunched worker to join and restart it).
+
 Each process writes ``report<initial rank>.json``: the final parameters (bit
 for bit), the restore records it saw, the steps it ran, and whether the
 call's snapshots were released when it returned.
@@ -127,6 +130,11 @@ def train(call_wrapper: inprocess.CallWrapper = None) -> dict[str, Any]:
             time.sleep(600)
         if kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if world < SPEC.get("hold_below_world", 0) and step == SPEC["hold_step"]:
+            # waits (making progress) for a relaunched worker to join: its join restarts us
+            while True:
+                call_wrapper.ping()
+                time.sleep(0.05)
         if kind == "corrupt":
             newest = call_wrapper._snapshots.own.held()[0]
             newest.data[0] ^= 0xFF
