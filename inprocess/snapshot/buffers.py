@@ -159,6 +159,9 @@ class HostSnapshot:
         stream.wait_stream(current)
         with torch.no_grad(), torch.cuda.stream(stream):
             for dst, src in zip(views, tensors, strict=True):
+                if src.is_cuda:
+                    # the allocator must not hand src's memory out before the copy ran
+                    src.record_stream(stream)
                 dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
