@@ -66,6 +66,7 @@ class Torn(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         if cls.armed and func is torch.Tensor.copy_:
             cls.armed = False
+            time.sleep(0.5)  # the others commit this step meanwhile
             raise RuntimeError("injected: commit torn mid-copy")
         return super().__torch_function__(func, types, args, kwargs or {})
 
@@ -150,6 +151,7 @@ def train(call_wrapper: inprocess.CallWrapper = None) -> dict[str, Any]:
         state["data"]["next"] = step + 1
         ran["steps"] += 1
         if kind == "skew":
+            time.sleep(0.5)  # the others commit this step meanwhile
             raise RuntimeError("injected fault before the commit")
         if kind == "torn":
             Torn.armed = True
