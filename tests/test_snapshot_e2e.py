@@ -259,3 +259,19 @@ def test_a_relaunched_worker_heals_from_a_peer(tmp_path):
     assert healed["step"] == 8 and relaunched["ran"][0]["from"] == 8
     restarts = [r for r in read_jsonl(state_dir / "restarts.jsonl") if r["type"] == "restore"]
     assert [r["step"] for r in restarts] == [0, 4, 8], restarts
+
+
+@pytest.mark.timeout(240)
+def test_a_sigkill_that_shrinks_the_world_costs_one_step(tmp_path):
+    """No spare: the survivors go on at world size 2 from their own memory (and, the
+    gradient sums being exact, still end bitwise equal to the fault-free run)."""
+    faults = [{"iteration": 0, "rank": 1, "step": 3, "kind": "kill"}]
+    result = run_job(
+        "snapshot_train.py", 3, tmp_path, spec(tmp_path, steps=8, faults=faults), timeout=200
+    )
+    assert result.ranks[1].returncode == -signal.SIGKILL, result.describe()
+    check_final(result, [0, 2], 8)
+    record = restores(tmp_path)[1]
+    assert record["step"] == 3 and record["sources"]["memory"] == 2
+    assert record["world_size"] == 2 and record["redone_steps"] == 0
+    assert sum(r["begun"] for r in result.report(0)["ran"]) == 9  # the killed step, once more

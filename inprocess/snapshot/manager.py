@@ -93,6 +93,12 @@ class Snapshots:
         holdings = [d[1] for d in described]
         plan = policy.plan(holdings, replicated)
         step, shard, source = plan.step, plan.shards[rank], plan.sources[rank]
+        if step == 0 and any(h.memory or h.disk for h in holdings) and rank == 0:
+            log.warning(
+                "no step of the state is available to every rank (held: %s): starting from "
+                "step 0; with replicated=False, a rank and its ring buddy were lost together",
+                sorted({x for h in holdings for x in (*h.memory, *h.disk)}),
+            )
         moved = 0
         slot: HostSnapshot | None = None
         transfers = plan.transfers()
@@ -175,9 +181,10 @@ class Snapshots:
             raise ValueError(f"commit(step=...) must be an int >= 0, got {step!r}")
         layout.check_state(state)
         if self._group_iteration != iteration:
-            # no restore in this iteration: the group of an earlier one is gone
+            # no restore in this iteration: the group of an earlier one is gone (the
+            # default group's ranks still say which shard this is)
             self._group, self._group_iteration = transfer.group_if_default(), iteration
-            self._rank, self._world = _rank_world(self._group)
+            self._rank, self._world = _default_rank_world()
         shard = 0 if self.replicated else self._rank
         self.own.drop_from(step)
         slot = self.own.writable()
@@ -211,6 +218,14 @@ class Snapshots:
         self.buddy.release()
         self._group = None
         self._closed = True
+
+
+def _default_rank_world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    return dist.get_rank(), dist.get_world_size()
 
 
 def _rank_world(pg: Any) -> tuple[int, int]:
