@@ -205,7 +205,7 @@ class Snapshots:
             )
         p = self._persister
         if p is not None and p.due(step) and (not self.replicated or self._rank == 0):
-            p.submit(slot, self._world, self.replicated, prune=self._rank == 0)
+            p.submit(slot, self._world, self.replicated)
 
     # ---------------------------------------------------------------- end of the call
 

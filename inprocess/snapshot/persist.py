@@ -15,7 +15,8 @@ write torn by a crash, is never loaded. The marker carries the skeleton
 
 Replicated state: only rank 0 writes (shard 0). One write at a time, and at
 most one waiting behind it (the newest due): training never waits for the
-disk. Rank 0 keeps the two newest complete steps and removes older ones.
+disk. The two newest complete steps are kept: after each write, steps older
+than those are removed.
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ class Persister:
         self.root = root
         self.every = every
         self._cond = threading.Condition()
-        self._pending: tuple[HostSnapshot, int, bool, bool] | None = None
+        self._pending: tuple[HostSnapshot, int, bool] | None = None
         self._writing = False
         self._closing = False
         self._thread: threading.Thread | None = None
@@ -118,9 +119,7 @@ class Persister:
     def due(self, step: int) -> bool:
         return step % self.every == 0
 
-    def submit(
-        self, snapshot: HostSnapshot, world_size: int, replicated: bool, prune: bool
-    ) -> None:
+    def submit(self, snapshot: HostSnapshot, world_size: int, replicated: bool) -> None:
         """Queues a private copy of ``snapshot`` for writing (replacing one still waiting)."""
         snapshot.wait()
         copy = HostSnapshot()
@@ -133,7 +132,7 @@ class Persister:
                     self._pending[0].step,
                 )
                 self._pending[0].release()
-            self._pending = (copy, world_size, replicated, prune)
+            self._pending = (copy, world_size, replicated)
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="inprocess-snapshot-writer", daemon=True
@@ -157,7 +156,7 @@ class Persister:
                     self._writing = False
                     self._cond.notify_all()
 
-    def _write(self, snap: HostSnapshot, world_size: int, replicated: bool, prune: bool) -> None:
+    def _write(self, snap: HostSnapshot, world_size: int, replicated: bool) -> None:
         import torch.distributed.checkpoint as dcp
 
         step, shard = snap.step, snap.shard
@@ -187,8 +186,9 @@ class Persister:
             log.debug(
                 "persisted step %d shard %d in %.3fs", step, shard, time.monotonic() - started
             )
-            if prune:
-                self._prune(1 if replicated else world_size)
+            # Every writer prunes after its write: the last shard of a step to land
+            # sees the step whole (concurrent prunes remove the same directories).
+            self._prune(1 if replicated else world_size)
         except Exception as ex:  # a thread's error is reported, never raised into training
             self.last_error = ex
             log.warning("persisting the snapshot of step %s failed: %r", step, ex)
