@@ -15,8 +15,8 @@ write torn by a crash, is never loaded. The marker carries the skeleton
 
 Replicated state: only rank 0 writes (shard 0). One write at a time, and at
 most one waiting behind it (the newest due): training never waits for the
-disk. The two newest complete steps are kept: after each write, steps older
-than those are removed.
+disk. After each write, the two newest steps complete on every shard are
+kept, and anything newer; older steps are removed.
 """
 
 from __future__ import annotations
@@ -196,17 +196,23 @@ class Persister:
             snap.release()
 
     def _prune(self, shards: int) -> None:
-        """Removes steps older than the ``KEEP`` newest complete ones (all shards done)."""
+        """Keeps the ``KEEP`` newest whole steps (every shard complete) and what is newer.
+
+        Older steps go, incomplete ones too: a step older than a whole one is
+        never written any more (each rank writes its steps in order), and one
+        left incomplete (a rank's write skipped while its disk was behind) can
+        never be restored.
+        """
         done: dict[int, set[int]] = {}
         for shard, step in complete(self.root):
             done.setdefault(step, set()).add(shard)
         whole = sorted(s for s, have in done.items() if len(have) >= shards)
-        if len(whole) <= KEEP:
+        if not whole:
             return
-        oldest_kept = whole[-KEEP]
+        keep = set(whole[-KEEP:])
         for name in os.listdir(self.root):
             m = _STEP_DIR.match(name)
-            if m and int(m.group(1)) < oldest_kept:
+            if m and int(m.group(1)) < whole[-1] and int(m.group(1)) not in keep:
                 shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
 
     def flush(self, timeout: float | None = None) -> bool:
