@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import pickle
 import time
 from typing import Any
@@ -80,6 +81,12 @@ class Snapshots:
         if not isinstance(replicated, bool):
             raise TypeError(f"restore(replicated=...) must be a bool, got {replicated!r}")
         pg = transfer.group()
+        if pg is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            # alone, each rank would pick its own step
+            raise RuntimeError(
+                "restore() needs torch.distributed initialized (init_process_group) first: "
+                f"WORLD_SIZE={os.environ['WORLD_SIZE']} ranks must agree on the step"
+            )
         self._group, self._group_iteration = pg, iteration
         rank, world = _rank_world(pg)
         self._rank, self._world = rank, world
