@@ -84,6 +84,10 @@ class WrapperConfig:
     terminate: Terminate | None = None
     #: the restart records' file (absolute), or ``None``: ``INPROCESS_RECORDS``, if set
     records: str | None = None
+    #: directory of persisted snapshots (absolute), see :mod:`inprocess.snapshot.persist`
+    snapshot_dir: str | None = None
+    #: persist the snapshots of steps that are multiples of this (needs ``snapshot_dir``)
+    persist_every: int | None = None
     #: derived from the callbacks' shapes (see :mod:`inprocess.generation`)
     generation: Generation = Generation.GUIDE
 
@@ -137,9 +141,7 @@ class WrapperConfig:
         _check_type("terminate", a["terminate"], (Terminate, type(None)), "a Terminate or None")
         default_assignment = a["rank_assignment"] is DEFAULT_RANK_ASSIGNMENT
         if not default_assignment:
-            _check_type(
-                "rank_assignment", a["rank_assignment"], RankAssignment, "a RankAssignment"
-            )
+            _check_type("rank_assignment", a["rank_assignment"], RankAssignment, "a RankAssignment")
         # Each callback's shape says which generation of the API it is written
         # for; mixing them is an error naming the arguments.
         shaped = (*callbacks, "rank_filter", "completion", "terminate")
@@ -180,9 +182,35 @@ class WrapperConfig:
         if a["records"] is not None:
             a["records"] = os.path.abspath(os.fspath(a["records"]))
 
+        _check_snapshots(a)
+
         for name in cls.durations():
             a[name] = a[name].total_seconds()
         return cls(**a)
+
+
+def _check_snapshots(a: dict[str, Any]) -> None:
+    """``snapshot_dir`` (a path, made absolute); ``persist_every`` (an int >= 1, needs it)."""
+    a.setdefault("snapshot_dir", None)
+    a.setdefault("persist_every", None)
+    _check_type("snapshot_dir", a["snapshot_dir"], (str, os.PathLike, type(None)), "a path or None")
+    if a["snapshot_dir"] is not None:
+        a["snapshot_dir"] = os.path.abspath(os.fspath(a["snapshot_dir"]))
+    every = a["persist_every"]
+    if every is not None:
+        if isinstance(every, bool) or not isinstance(every, int):
+            raise TypeError(
+                f"Wrapper(persist_every=...) must be an int >= 1 or None, got {every!r}"
+            )
+        if every < 1:
+            raise ValueError(
+                f"Wrapper(persist_every=...) must be an int >= 1 or None, got {every!r}"
+            )
+        if a["snapshot_dir"] is None:
+            raise ValueError(
+                "Wrapper(persist_every=...) needs Wrapper(snapshot_dir=...): the directory "
+                f"the snapshots are written to (got persist_every={every}, snapshot_dir=None)"
+            )
 
 
 def _check_path(name: str, path: Any) -> None:

@@ -6,7 +6,9 @@ field saying what it is):
 * the Wrapper writes ``restart`` records (one per restart, by the rank that is
   rank 0 of the new iteration, just before it calls the function again),
   ``iteration`` records (every rank, when its function starts and when its
-  iteration ends) and a ``completed`` record, to the file named by
+  iteration ends), ``restore`` records (one per
+  :meth:`inprocess.CallWrapper.restore`, by the iteration's active rank 0) and
+  a ``completed`` record, to the file named by
   ``Wrapper(records=...)`` or, when that is ``None``, by the environment
   variable :data:`RECORDS_ENV` (``inprocess-run`` sets it to
   ``<state_dir>/restarts.jsonl``);
@@ -444,6 +446,11 @@ class Recorder:
                 "node": self._common["node"],
             }
         )
+
+    @_never_raises
+    def restore(self, record: dict[str, Any]) -> None:
+        """A ``restore`` record (:meth:`inprocess.CallWrapper.restore`), by the active rank 0."""
+        self._write({**record, "job": self.job, "call": self.call})
 
     @_never_raises
     def completed(self, current: Any, state: Any) -> None:

@@ -41,7 +41,7 @@ import typing
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import generation as _gen
 from . import monitor_thread as _mt
@@ -78,6 +78,9 @@ from .store import (
     new_identity,
 )
 from .terminate import Terminate
+
+if TYPE_CHECKING:
+    from .snapshot import Snapshots
 
 log = logging.getLogger(__name__)
 
@@ -174,6 +177,10 @@ class Wrapper:
         records: file that restart records are appended to as JSON lines
             (:mod:`inprocess.records`); ``None``: the file named by the
             ``INPROCESS_RECORDS`` environment variable, if set, else none.
+        snapshot_dir: directory that :meth:`CallWrapper.commit` persists snapshots
+            to and :meth:`CallWrapper.restore` falls back to (a cold restart).
+        persist_every: persist the snapshots of steps that are multiples of
+            this (asynchronously); needs ``snapshot_dir``; ``None``: never.
 
     Callbacks may be written for the usage guide's generation of the API or
     for the newer one (``(frozen_state)``, ``(ctx)``, ``completion``,
@@ -211,6 +218,8 @@ class Wrapper:
         completion: Completion | None = None,
         terminate: Terminate | None = None,
         records: str | os.PathLike[str] | None = None,
+        snapshot_dir: str | os.PathLike[str] | None = None,
+        persist_every: int | None = None,
     ) -> None:
         if abort is _UNSET:
             abort = AbortTorchDistributed()
@@ -345,6 +354,10 @@ class CallWrapper:
         self._records = _records.Recorder(None, self.identity, "", 0)  # disabled until _start
         #: sys.excepthook when the call started (see _function_environment)
         self._excepthook = sys.excepthook
+        #: this call's training-state snapshots (restore/commit), set up by _start
+        self._snapshots: Snapshots | None = None
+        #: the latest restore's record (see :meth:`restore`), ``None`` before one
+        self.last_restore: dict[str, Any] | None = None
 
     # ---------------------------------------------------------------- public controls
 
@@ -411,6 +424,43 @@ class CallWrapper:
             if self._monitor is not None and self._monitor.restart_in_progress:
                 raise RankShouldRestart("a restart is in progress")
             yield
+
+    # ---------------------------------------------------------------- training state
+
+    def restore(self, state: dict[str, Any], *, replicated: bool = True) -> int:
+        """Loads the newest snapshot every active rank can have into ``state``; returns its step.
+
+        Call it once per iteration, on every active rank, after the function has
+        initialized ``torch.distributed``. ``state`` maps names to objects with
+        ``state_dict()``/``load_state_dict()``, tensors, or picklable values.
+        Returns the same step on every rank, ``0`` (``state`` untouched) when no
+        snapshot exists. ``replicated``: every rank holds the same state (data
+        parallel); ``False``: each rank's differs, and each keeps a copy of its
+        ring predecessor's. The record of the restore is :attr:`last_restore`
+        (and a ``restore`` line in the restart records). See the README.
+        """
+        snapshots = self._require_snapshots("restore")
+        try:
+            step = snapshots.restore(state, replicated, self.iteration)
+        finally:
+            record = snapshots.last_restore
+            if record is not None and record is not self.last_restore:
+                self.last_restore = record
+                s = self.state
+                if (s.active_rank if s.active_rank is not None else s.rank) == 0:
+                    self._records.restore(record)
+        return step
+
+    def commit(self, state: dict[str, Any], step: int) -> None:
+        """Snapshots ``state`` as the state after ``step`` steps (a copy; see :meth:`restore`)."""
+        self._require_snapshots("commit").commit(state, step, self.iteration)
+
+    def _require_snapshots(self, method: str) -> Snapshots:
+        if self._snapshots is None:
+            raise RuntimeError(
+                f"CallWrapper.{method}() is only available while the wrapped function runs"
+            )
+        return self._snapshots
 
     # ---------------------------------------------------------------- the loop
 
@@ -503,6 +553,10 @@ class CallWrapper:
         self._records = _records.Recorder(
             _records.records_path(c.records), self.identity, self.namespace, call
         )
+        from .snapshot import Snapshots
+
+        self._snapshots = Snapshots(c.snapshot_dir, c.persist_every)
+        cleanup.callback(self._snapshots.close)
 
         board = ProgressBoard()
         cleanup.callback(board.close)

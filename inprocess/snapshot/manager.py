@@ -1,0 +1,269 @@
+"""The snapshots of one wrapped call on one rank: commit, restore, release.
+
+:class:`Snapshots` ties the parts together (host slots, the plan, transfers,
+disk, checksums); :class:`inprocess.CallWrapper` only delegates to it. It
+lives as long as the call (a process that survives a fault keeps its
+snapshots across iterations) and :meth:`close` releases everything at the end
+of the call: buffers, the writer thread, the group reference.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import pickle
+import time
+from typing import Any
+
+from . import layout, persist, policy, transfer
+from .buffers import HostSnapshot, SlotPair
+
+log = logging.getLogger(__name__)
+
+
+class SnapshotMismatch(RuntimeError):
+    """Replicas restored different state: a fault of the restart, never trained on."""
+
+
+class Snapshots:
+    """This rank's snapshots for one call (see the module's docstring)."""
+
+    def __init__(self, snapshot_dir: str | None = None, persist_every: int | None = None) -> None:
+        self.snapshot_dir = snapshot_dir
+        self.own = SlotPair()
+        self.buddy = SlotPair()  # the ring predecessor's shard (replicated=False)
+        self.replicated = True
+        self.newest: int | None = None  # newest step committed (or restored) here
+        self._commit_times: collections.deque[float] = collections.deque(maxlen=11)
+        self._group: Any = None
+        self._group_iteration: int | None = None
+        self._rank, self._world = 0, 1
+        self._persister = (
+            persist.Persister(snapshot_dir, persist_every)
+            if snapshot_dir is not None and persist_every is not None
+            else None
+        )
+        self.last_restore: dict[str, Any] | None = None
+        self._closed = False
+
+    # ---------------------------------------------------------------- what this rank holds
+
+    def holdings(self) -> policy.Holdings:
+        held = set()
+        for pair in (self.own, self.buddy):
+            for s in pair.slots:
+                s.wait()
+            held |= {(s.shard, s.step) for s in pair.held()}
+        disk = persist.complete(self.snapshot_dir)
+        return policy.Holdings(frozenset(held), frozenset(disk), self.newest)
+
+    def _find(self, shard: int, step: int) -> HostSnapshot | None:
+        for pair in (self.own, self.buddy):
+            for s in pair.held():
+                if s.shard == shard and s.step == step:
+                    return s
+        return None
+
+    def step_seconds(self) -> float | None:
+        """Mean wall time between the last commits (``None``: fewer than two)."""
+        t = list(self._commit_times)
+        if len(t) < 2:
+            return None
+        return (t[-1] - t[0]) / (len(t) - 1)
+
+    # ---------------------------------------------------------------- restore
+
+    def restore(self, state: dict[str, Any], replicated: bool, iteration: int) -> int:
+        """Loads the newest snapshot every rank can get into ``state``; returns its step."""
+        self._check_open()
+        layout.check_state(state)
+        if not isinstance(replicated, bool):
+            raise TypeError(f"restore(replicated=...) must be a bool, got {replicated!r}")
+        pg = transfer.group()
+        if pg is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            # alone, each rank would pick its own step
+            raise RuntimeError(
+                "restore() needs torch.distributed initialized (init_process_group) first: "
+                f"WORLD_SIZE={os.environ['WORLD_SIZE']} ranks must agree on the step"
+            )
+        self._group, self._group_iteration = pg, iteration
+        rank, world = _rank_world(pg)
+        self._rank, self._world = rank, world
+        mine = self.holdings()
+        described = transfer.all_gather((replicated, mine, self.step_seconds()), pg)
+        # Timed from here, where every rank has arrived: not the ranks' skew in
+        # reaching restore (process start, init_process_group).
+        started = time.monotonic()
+        modes = {r: d[0] for r, d in enumerate(described)}
+        if len(set(modes.values())) > 1:
+            raise ValueError(f"restore(replicated=...) must be the same on every rank, got {modes}")
+        self.replicated = replicated
+        holdings = [d[1] for d in described]
+        plan = policy.plan(holdings, replicated)
+        step, shard, source = plan.step, plan.shards[rank], plan.sources[rank]
+        if step == 0 and any(h.memory or h.disk for h in holdings) and rank == 0:
+            log.warning(
+                "no step of the state is available to every rank (held: %s): starting from "
+                "step 0; with replicated=False, a rank and its ring buddy were lost together",
+                sorted({x for h in holdings for x in (*h.memory, *h.disk)}),
+            )
+        moved = 0
+        slot: HostSnapshot | None = None
+        transfers = plan.transfers()
+        sent: dict[int, dict[str, int]] = {}
+        if transfers:
+            sending = sorted({sh for snd, _r, sh in transfers if snd == rank})
+            headers = transfer.all_gather(
+                {sh: transfer.header(self._find(sh, step)) for sh in sending},
+                pg,  # type: ignore[arg-type]
+            )
+            receives = []
+            if source.kind == policy.PEER:
+                _step, _nbytes, blob = headers[source.peer][shard]
+                skeleton, refs = pickle.loads(blob)
+                slot = self.own.writable()
+                slot.assign(step, shard, skeleton, refs)
+                receives.append((source.peer, slot))
+            sends = []
+            for snd, receiver, sh in transfers:
+                if snd == rank:
+                    snap = self._find(sh, step)
+                    assert snap is not None
+                    sends.append((receiver, snap))
+                    sent[sh] = snap.checksums()
+            moved += transfer.exchange(sends, receives, pg)
+            if slot is not None:
+                slot.seal()
+        if source.kind == policy.MEMORY:
+            slot = self._find(shard, step)
+            assert slot is not None
+            if slot not in self.own.slots:  # a buddy copy becomes this rank's own
+                own = self.own.writable()
+                own.copy_from(slot)
+                slot = own
+        elif source.kind == policy.DISK:
+            slot = self.own.writable()
+            assert self.snapshot_dir is not None
+            moved += persist.read(self.snapshot_dir, step, shard, slot)
+        if step > 0:
+            # Snapshots newer than the restored step belong to a future that is redone.
+            self.own.drop_from(step + 1)
+            self.buddy.drop_from(step + 1)
+            assert slot is not None
+            slot.load_into(state)
+        self.newest = step if step > 0 else None
+        self._commit_times.clear()
+        sums = slot.checksums() if slot is not None and step > 0 else {}
+        outcome = transfer.all_gather((sums, sent, time.monotonic() - started, moved), pg)
+        mismatch = _mismatches(outcome, plan, replicated)
+        record = {
+            "type": "restore",
+            "time": time.time(),
+            "iteration": iteration,
+            "step": step,
+            "redone_steps": policy.redone_steps(holdings, step),
+            "seconds": round(max(o[2] for o in outcome), 6),
+            "bytes": sum(o[3] for o in outcome),
+            "sources": plan.counts(),
+            # rank 0's measure; a rank 0 without one (a new process): the next rank's
+            "step_seconds": next((d[2] for d in described if d[2] is not None), None),
+            "verified": step > 0 and not mismatch,
+            "replicated": replicated,
+            "world_size": world,
+        }
+        if mismatch:
+            record["mismatch"] = [{"rank": r, "key": k} for r, k in mismatch]
+        self.last_restore = record
+        if mismatch:
+            if any(r == rank for r, _k in mismatch) and slot is not None:
+                slot.invalidate()  # the next restore heals this rank from a peer
+            text = "; ".join(f"rank {r} differs in {k!r}" for r, k in mismatch)
+            raise SnapshotMismatch(f"restore of step {step}: {text}")
+        return step
+
+    # ---------------------------------------------------------------- commit
+
+    def commit(self, state: dict[str, Any], step: int, iteration: int) -> None:
+        """Snapshots ``state`` as the state after ``step`` steps."""
+        self._check_open()
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"commit(step=...) must be an int >= 0, got {step!r}")
+        layout.check_state(state)
+        if self._group_iteration != iteration:
+            # no restore in this iteration: the group of an earlier one is gone (the
+            # default group's ranks still say which shard this is)
+            self._group, self._group_iteration = transfer.group_if_default(), iteration
+            self._rank, self._world = _default_rank_world()
+        shard = 0 if self.replicated else self._rank
+        self.own.drop_from(step)
+        slot = self.own.writable()
+        slot.fill(step, shard, state)
+        self.newest = step
+        self._commit_times.append(time.monotonic())
+        if not self.replicated and self._world > 1 and self._group is not None:
+            self.buddy.drop_from(step)
+            transfer.ring_exchange(
+                slot,
+                policy.buddy_of(self._rank, self._world),
+                (self._rank - 1) % self._world,
+                self.buddy.writable(),
+                self._group,
+            )
+        p = self._persister
+        if p is not None and p.due(step) and (not self.replicated or self._rank == 0):
+            p.submit(slot, self._world, self.replicated)
+
+    # ---------------------------------------------------------------- end of the call
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the call's snapshots were released (the call ended)")
+
+    def close(self, timeout: float = 120.0) -> None:
+        """Releases everything: waits for a disk write in flight, frees the buffers."""
+        if self._persister is not None:
+            self._persister.close(timeout)
+        self.own.release()
+        self.buddy.release()
+        self._group = None
+        self._closed = True
+
+
+def _default_rank_world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _rank_world(pg: Any) -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if pg is None:
+        return 0, 1
+    return dist.get_rank(pg), dist.get_world_size(pg)
+
+
+def _mismatches(
+    outcome: list[tuple[dict[str, int], dict[int, dict[str, int]], float, int]],
+    plan: policy.Plan,
+    replicated: bool,
+) -> list[tuple[int, str]]:
+    """Ranks whose restored state is not what it should be: ``(rank, key)``."""
+    if plan.step == 0:
+        return []
+    if replicated:
+        return policy.disagreement([o[0] for o in outcome])[1]
+    bad = []
+    for receiver, source in enumerate(plan.sources):
+        if source.kind != policy.PEER:
+            continue
+        expected = outcome[source.peer][1].get(plan.shards[receiver], {})
+        got = outcome[receiver][0]
+        for key in sorted(set(expected) | set(got)):
+            if expected.get(key) != got.get(key):
+                bad.append((receiver, key))
+                break
+    return bad

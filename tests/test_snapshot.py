@@ -1,0 +1,303 @@
+"""Training-state snapshots without processes: the decisions, the buffers, the disk (issue 20)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+import inprocess
+from inprocess.snapshot import Snapshots, persist, policy
+from inprocess.snapshot.buffers import HostSnapshot, SlotPair
+from inprocess.snapshot.policy import DISK, MEMORY, NONE, PEER, Holdings, Source
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "workers"))
+import snapshot_model as sm
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def H(memory=(), disk=(), newest=None):
+    return Holdings(frozenset(memory), frozenset(disk), newest)
+
+
+# ------------------------------------------------------------------ the decisions
+
+
+def test_nothing_anywhere_restores_step_zero():
+    plan = policy.plan([H(), H()], replicated=True)
+    assert plan.step == 0 and plan.sources == (Source(NONE), Source(NONE))
+    assert plan.counts() == {MEMORY: 0, PEER: 0, DISK: 0, NONE: 2}
+
+
+def test_every_rank_restores_its_own_newest_snapshot():
+    held = {(0, 4), (0, 5)}
+    plan = policy.plan([H(held, newest=5)] * 3, replicated=True)
+    assert plan.step == 5 and all(s.kind == MEMORY for s in plan.sources)
+    assert policy.redone_steps([H(held, newest=5)] * 3, 5) == 0
+
+
+def test_replicas_one_step_apart_take_the_newer_step_from_a_peer():
+    # rank 1 faulted before committing step 6: a peer has it, nothing is redone
+    hs = [
+        H({(0, 5), (0, 6)}, newest=6),
+        H({(0, 4), (0, 5)}, newest=5),
+        H({(0, 5), (0, 6)}, newest=6),
+    ]
+    plan = policy.plan(hs, replicated=True)
+    assert plan.step == 6
+    assert plan.sources == (Source(MEMORY), Source(PEER, 0), Source(MEMORY))
+    assert plan.transfers() == [(0, 1, 0)]
+
+
+def test_sharded_ranks_one_step_apart_agree_on_the_older_step():
+    # rank 1's shard at step 6 exists nowhere: every rank goes back to 5 (its other slot)
+    hs = [
+        H({(0, 5), (0, 6), (3, 5), (3, 6)}, newest=6),
+        H({(1, 4), (1, 5), (0, 5)}, newest=5),
+        H({(2, 5), (2, 6), (1, 5)}, newest=6),
+        H({(3, 5), (3, 6), (2, 5), (2, 6)}, newest=6),
+    ]
+    plan = policy.plan(hs, replicated=False)
+    assert plan.step == 5 and all(s.kind == MEMORY for s in plan.sources)
+    assert policy.redone_steps(hs, plan.step) == 1
+
+
+def test_new_processes_heal_from_peers_spread_over_the_holders():
+    hs = [H({(0, 9)}, newest=9), H({(0, 9)}, newest=9), H(), H()]
+    plan = policy.plan(hs, replicated=True)
+    assert plan.step == 9
+    assert plan.sources[2] == Source(PEER, 0) and plan.sources[3] == Source(PEER, 1)
+
+
+def test_a_lost_shard_comes_from_its_ring_buddy():
+    # the rank holding shard 1 was lost; ranks shifted: rank 1 now holds shard 2 and
+    # the buddy copy of shard 1; a spare (rank 3) holds nothing
+    assert policy.buddy_of(1, 4) == 2 and policy.buddy_of(3, 4) == 0
+    hs = [
+        H({(0, 7), (3, 7)}, newest=7),
+        H({(2, 7), (1, 7)}, newest=7),
+        H({(3, 7), (2, 7)}, newest=7),
+        H(),
+    ]
+    plan = policy.plan(hs, replicated=False)
+    assert plan.step == 7
+    assert plan.sources == (Source(MEMORY), Source(MEMORY), Source(MEMORY), Source(PEER, 0))
+
+
+def test_a_shard_lost_with_its_buddy_falls_back_to_an_older_step_on_disk():
+    hs = [H({(0, 7)}, {(0, 4), (1, 4)}), H(set(), {(0, 4), (1, 4)})]
+    plan = policy.plan(hs, replicated=False)
+    assert plan.step == 4
+    assert plan.sources == (Source(DISK), Source(DISK))
+
+
+def test_memory_and_peers_beat_disk():
+    hs = [H({(0, 8)}, {(0, 8)}), H(set(), {(0, 8)})]
+    assert policy.plan(hs, replicated=True).sources == (Source(MEMORY), Source(PEER, 0))
+    hs = [H({(0, 6)}, {(0, 8)}), H(set(), {(0, 8)})]
+    plan = policy.plan(hs, replicated=True)  # the newer step on disk wins
+    assert plan.step == 8 and plan.sources == (Source(DISK), Source(DISK))
+
+
+def test_disagreement_names_the_minority_rank_and_key():
+    good = {"model": 1, "optim": 2}
+    assert policy.disagreement([good, good, good]) == (0, [])
+    bad = {"model": 1, "optim": 3}
+    assert policy.disagreement([good, bad, good]) == (0, [(1, "optim")])
+    assert policy.disagreement([bad, good, good]) == (1, [(0, "optim")])
+    # no majority: the lowest rank is the reference, the other is still reported
+    assert policy.disagreement([good, bad]) == (0, [(1, "optim")])
+
+
+# ------------------------------------------------------------------ the buffers
+
+
+class Torn(torch.Tensor):
+    armed = False
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if cls.armed and func is torch.Tensor.copy_:
+            cls.armed = False
+            raise RuntimeError("torn")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def _state():
+    model, opt = sm.build()
+    sm.apply(model, opt, sm.local_grads(model, 0, 0, 1))
+    return {"model": model, "optim": opt, "data": {"next": 1}, "n": 1}
+
+
+def test_a_snapshot_torn_mid_copy_is_never_restored():
+    state = _state()
+    state["z"] = torch.zeros(3).as_subclass(Torn)  # copied after the model
+    pair = SlotPair()
+    for step in (1, 2):
+        pair.writable().fill(step, 0, state)
+    assert [s.step for s in pair.held()] == [2, 1]
+    Torn.armed = True
+    with pytest.raises(RuntimeError, match="torn"):
+        pair.writable().fill(3, 0, state)
+    assert [s.step for s in pair.held()] == [2]  # step 1's slot was being overwritten
+    assert pair.at(3) is None
+
+
+def test_buffers_are_reused_and_restores_do_not_alias_them():
+    state = _state()
+    snaps = Snapshots()
+    snaps.commit(state, 1, 0)
+    snaps.commit(state, 2, 0)
+    pointers = {s.data.data_ptr() for s in snaps.own.slots}
+    model, opt = state["model"], state["optim"]
+    before = sm.fingerprint(model)
+    sm.apply(model, opt, sm.local_grads(model, 1, 0, 1))
+    state["data"]["next"], state["n"] = 9, 9
+    assert snaps.restore(state, True, 1) == 2
+    assert sm.fingerprint(model) == before and state["data"] == {"next": 1} and state["n"] == 1
+    momentum = [opt.state[p]["momentum_buffer"].clone() for p in model.parameters()]
+    for step in (3, 4, 5):  # overwrites both slots
+        snaps.commit({**state, "n": step}, step, 1)
+    assert {s.data.data_ptr() for s in snaps.own.slots} == pointers
+    assert all(
+        torch.equal(m, opt.state[p]["momentum_buffer"])
+        for m, p in zip(momentum, model.parameters(), strict=True)
+    )
+    record = snaps.last_restore
+    assert record["type"] == "restore" and record["step"] == 2 and record["sources"][MEMORY] == 1
+    snaps.close()
+    assert all(s.data.numel() == 0 for s in snaps.own.slots)
+    with pytest.raises(RuntimeError, match="released"):
+        snaps.commit(state, 6, 1)
+
+
+def test_checksums_see_a_flipped_byte_and_ignore_padding():
+    state = {"a": torch.arange(3, dtype=torch.int8), "b": torch.ones(5)}
+    x, y = HostSnapshot(), HostSnapshot()
+    y.data = torch.full((256,), 0xAB, dtype=torch.uint8)  # garbage in the reused buffer
+    x.fill(1, 0, state)
+    y.fill(1, 0, state)
+    assert x.checksums() == y.checksums()
+    y.data[x.ranges["b"][0]] ^= 1
+    assert x.checksums()["a"] == y.checksums()["a"] and x.checksums()["b"] != y.checksums()["b"]
+
+
+def test_commit_and_restore_reject_bad_arguments(monkeypatch):
+    snaps = Snapshots()
+    with pytest.raises(ValueError, match=r"commit\(step=...\) must be an int >= 0, got -1"):
+        snaps.commit({}, -1, 0)
+    with pytest.raises(TypeError, match="must be a dict"):
+        snaps.commit([1], 1, 0)
+    with pytest.raises(TypeError, match="str keys"):
+        snaps.commit({1: 2}, 1, 0)
+    with pytest.raises(TypeError, match=r"replicated=...\) must be a bool"):
+        snaps.restore({}, "yes", 0)
+    snaps.commit({"a": 1}, 1, 0)
+    with pytest.raises(KeyError, match="differ from the state's"):
+        snaps.restore({"b": 1}, True, 1)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match=r"needs torch\.distributed initialized"):
+        snaps.restore({"a": 1}, True, 1)
+    snaps.close()
+
+
+def test_rng_state_is_restored():
+    import random
+
+    rng = inprocess.snapshot.RNGState()
+    snaps = Snapshots()
+    snaps.commit({"rng": rng}, 1, 0)
+    expected = (torch.rand(2), random.random())
+    snaps.restore({"rng": rng}, True, 1)
+    assert torch.equal(torch.rand(2), expected[0]) and random.random() == expected[1]
+    snaps.close()
+
+
+# ------------------------------------------------------------------ the disk
+
+
+def test_persisted_snapshots_are_complete_or_ignored_and_loadable_without_us(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    state = _state()
+    snaps = Snapshots(str(tmp_path), persist_every=2)
+    for step in range(1, 8):
+        state["data"]["next"] = step
+        snaps.commit(state, step, 0)
+        snaps._persister.flush(30)
+    snaps.close()
+    # the two newest complete steps are kept
+    assert persist.complete(str(tmp_path)) == {(0, 4), (0, 6)}
+    # a step directory without its marker (a write torn by a crash) is never offered
+    os.unlink(persist.marker_path(str(tmp_path), 6, 0))
+    assert persist.complete(str(tmp_path)) == {(0, 4)}
+    fresh = _state()
+    fresh_snaps = Snapshots(str(tmp_path))
+    assert fresh_snaps.restore(fresh, True, 0) == 4
+    assert fresh["data"]["next"] == 4 and fresh_snaps.last_restore["sources"][DISK] == 1
+    fresh_snaps.close()
+    # the user's own code loads it with torch.distributed.checkpoint alone
+    model, _opt = sm.build()
+    target = {"model": model.state_dict()}
+    dcp.load(target, checkpoint_id=persist.shard_dir(str(tmp_path), 4, 0), no_dist=True)
+    model.load_state_dict(target["model"])
+    assert sm.fingerprint(model) == sm.fingerprint(fresh["model"])
+    marker = json.loads(Path(persist.marker_path(str(tmp_path), 4, 0)).read_text())
+    assert marker["step"] == 4 and set(marker["checksums"]) == {"model", "optim", "data", "n"}
+
+
+# ------------------------------------------------------------------ the Wrapper
+
+
+def test_wrapper_checks_the_snapshot_arguments(tmp_path):
+    with pytest.raises(ValueError, match=r"persist_every=...\) needs Wrapper\(snapshot_dir"):
+        inprocess.Wrapper(persist_every=3)
+    with pytest.raises(ValueError, match=r"persist_every=...\) must be an int >= 1"):
+        inprocess.Wrapper(snapshot_dir=str(tmp_path), persist_every=0)
+    with pytest.raises(TypeError, match=r"persist_every=...\) must be an int >= 1"):
+        inprocess.Wrapper(snapshot_dir=str(tmp_path), persist_every="2")
+    with pytest.raises(TypeError, match=r"snapshot_dir=...\) must be a path or None"):
+        inprocess.Wrapper(snapshot_dir=3)
+    w = inprocess.Wrapper(snapshot_dir="rel/dir", persist_every=5)
+    assert w.snapshot_dir == os.path.abspath("rel/dir") and w.persist_every == 5
+
+
+@pytest.mark.timeout(120)
+def test_restore_commit_in_this_process_leave_nothing_behind(single_rank, tmp_path):
+    """An exception restores from memory; the writer thread and buffers go with the call."""
+    import torch.distributed as dist
+    from test_call_lifecycle import fast_wrapper
+
+    seen = []
+
+    @fast_wrapper(snapshot_dir=str(tmp_path / "snap"), persist_every=2)
+    def train(call_wrapper: inprocess.CallWrapper = None):
+        dist.init_process_group("gloo")
+        model, opt = sm.build()
+        state = {"model": model, "optim": opt}
+        start = call_wrapper.restore(state)
+        seen.append((call_wrapper.iteration, start, dict(call_wrapper.last_restore)))
+        for step in range(start, 5):
+            if call_wrapper.iteration == 0 and step == 3:
+                raise RuntimeError("fault")
+            sm.apply(model, opt, sm.local_grads(model, step, 0, 1))
+            call_wrapper.commit(state, step + 1)
+        dist.destroy_process_group()
+        return sm.fingerprint(model), call_wrapper
+
+    before = {t.name for t in threading.enumerate()}
+    params, cw = train()
+    assert params == sm.reference(5)
+    assert [(i, s) for i, s, _ in seen] == [(0, 0), (1, 3)]
+    assert seen[1][2]["sources"] == {MEMORY: 1, PEER: 0, DISK: 0, NONE: 0}
+    assert not any("snapshot" in t.name for t in threading.enumerate() if t.name not in before)
+    assert all(s.data.numel() == 0 for s in cw._snapshots.own.slots)
+    assert persist.complete(str(tmp_path / "snap")) == {(0, 2), (0, 4)}
+    with pytest.raises(RuntimeError, match="only available while the wrapped function runs"):
+        inprocess.CallWrapper(inprocess.Wrapper()).commit({}, 1)
