@@ -223,6 +223,16 @@ def main() -> int:
                     f"median {o['median'] * 100:+.1f} %"
                 )
 
+    commits = snap["rank0"].get("commit_seconds", [])
+    parts = snap["rank0"].get("parts", {})
+    print(f"\ncall_wrapper.commit alone (rank 0): {stats(commits)}")
+    if parts:
+        print(
+            f"its parts, each timed alone on rank 0: state_dict() of model and optimizer "
+            f"{parts['state_dicts'] * 1000:.1f} ms, copying their tensors "
+            f"({parts['bytes'] / 1e6:.1f} MB) {parts['tensor_copy'] * 1000:.1f} ms"
+        )
+
     print("\n## Per fault\n")
     print(
         "| way | fault | at step | restored step(s) | world | redone steps | restore (rank 0) "

@@ -65,7 +65,13 @@ logging.basicConfig(level="WARNING", format=f"%(asctime)s r{RANK} %(name)s %(mes
 torch.set_num_threads(1)
 
 # rank 0's account, kept across in-process restarts (rank 0 is never killed)
-LOG: dict = {"times": {"none": [], "commit": [], "file": []}, "starts": [], "regained": {}}
+LOG: dict = {
+    "times": {"none": [], "commit": [], "file": []},
+    "commit_seconds": [],  # call_wrapper.commit alone, timing phase
+    "parts": {},  # what a commit does, each part timed alone (rank 0, first start)
+    "starts": [],
+    "regained": {},
+}
 COMPLETED = [0]  # the highest step count rank 0 reached
 
 
@@ -91,6 +97,38 @@ def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     opt.step()
     opt.zero_grad(set_to_none=False)
     return model, opt
+
+
+def time_parts(state: dict) -> None:
+    """The parts of a commit, each alone: the state_dicts, and copying their tensors."""
+    runs = 5
+    t0 = time.perf_counter()
+    for _ in range(runs):
+        dicts = {k: v.state_dict() for k, v in state.items()}
+    t1 = time.perf_counter()
+    tensors = []
+    for d in dicts.values():
+        stack = [d]
+        while stack:
+            x = stack.pop()
+            if isinstance(x, torch.Tensor):
+                tensors.append(x)
+            elif isinstance(x, dict):
+                stack += list(x.values())
+            elif isinstance(x, (list, tuple)):
+                stack += list(x)
+    copies = [torch.empty_like(t) for t in tensors]
+    t2 = time.perf_counter()
+    for _ in range(runs):
+        with torch.no_grad():
+            for dst, src in zip(copies, tensors, strict=True):
+                dst.copy_(src)
+    t3 = time.perf_counter()
+    LOG["parts"] = {
+        "state_dicts": (t1 - t0) / runs,
+        "tensor_copy": (t3 - t2) / runs,
+        "bytes": sum(t.numel() * t.element_size() for t in tensors),
+    }
 
 
 def save(model, opt, step: int) -> None:
@@ -155,6 +193,8 @@ def train(call_wrapper: inprocess.CallWrapper | None = None) -> None:
             step = checkpoint["step"]
     restore_seconds = time.perf_counter() - started
     dist.barrier()
+    if RANK == 0 and not LOG["parts"]:
+        time_parts(state)
     if RANK == 0:
         LOG["starts"].append(
             {
@@ -187,7 +227,10 @@ def train(call_wrapper: inprocess.CallWrapper | None = None) -> None:
         kept = way(step)
         step += 1
         if kept == "commit":
+            c0 = time.perf_counter()
             call_wrapper.commit(state, step)
+            if RANK == 0 and step <= TIMING:
+                LOG["commit_seconds"].append(time.perf_counter() - c0)
         elif kept == "file" and rank == 0:
             # the guide's pattern; in the timing phase counted in file blocks' steps only
             s0 = step - 1
