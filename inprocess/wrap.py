@@ -41,7 +41,7 @@ import typing
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import generation as _gen
 from . import monitor_thread as _mt
@@ -78,6 +78,9 @@ from .store import (
     new_identity,
 )
 from .terminate import Terminate
+
+if TYPE_CHECKING:
+    from .snapshot import Snapshots
 
 log = logging.getLogger(__name__)
 
@@ -352,7 +355,7 @@ class CallWrapper:
         #: sys.excepthook when the call started (see _function_environment)
         self._excepthook = sys.excepthook
         #: this call's training-state snapshots (restore/commit), set up by _start
-        self._snapshots: Any = None
+        self._snapshots: Snapshots | None = None
         #: the latest restore's record (see :meth:`restore`), ``None`` before one
         self.last_restore: dict[str, Any] | None = None
 
@@ -452,7 +455,7 @@ class CallWrapper:
         """Snapshots ``state`` as the state after ``step`` steps (a copy; see :meth:`restore`)."""
         self._require_snapshots("commit").commit(state, step, self.iteration)
 
-    def _require_snapshots(self, method: str) -> Any:
+    def _require_snapshots(self, method: str) -> Snapshots:
         if self._snapshots is None:
             raise RuntimeError(
                 f"CallWrapper.{method}() is only available while the wrapped function runs"

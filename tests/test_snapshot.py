@@ -188,7 +188,7 @@ def test_checksums_see_a_flipped_byte_and_ignore_padding():
     assert x.checksums()["a"] == y.checksums()["a"] and x.checksums()["b"] != y.checksums()["b"]
 
 
-def test_commit_and_restore_reject_bad_arguments():
+def test_commit_and_restore_reject_bad_arguments(monkeypatch):
     snaps = Snapshots()
     with pytest.raises(ValueError, match=r"commit\(step=...\) must be an int >= 0, got -1"):
         snaps.commit({}, -1, 0)
@@ -201,6 +201,9 @@ def test_commit_and_restore_reject_bad_arguments():
     snaps.commit({"a": 1}, 1, 0)
     with pytest.raises(KeyError, match="differ from the state's"):
         snaps.restore({"b": 1}, True, 1)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match=r"needs torch\.distributed initialized"):
+        snaps.restore({"a": 1}, True, 1)
     snaps.close()
 
 

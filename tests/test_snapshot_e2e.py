@@ -157,16 +157,26 @@ def test_sharded_state_agrees_on_a_step_and_heals_a_lost_rank_from_its_buddy(tmp
 
 
 @pytest.mark.timeout(240)
-def test_a_cold_restart_restores_from_disk_never_from_a_torn_snapshot(tmp_path):
+@pytest.mark.parametrize("replicated", [True, False])
+def test_a_cold_restart_restores_from_disk_never_from_a_torn_snapshot(tmp_path, replicated):
     snap = tmp_path / "snap"
+    local = None if replicated else (lambda rank: rank + 1)
     first = run_job(
         "snapshot_train.py",
         2,
         tmp_path / "first",
-        spec(tmp_path / "first", steps=6, snapshot_dir=str(snap), persist_every=2),
+        spec(
+            tmp_path / "first",
+            steps=6,
+            snapshot_dir=str(snap),
+            persist_every=2,
+            replicated=replicated,
+        ),
         timeout=150,
     )
-    check_final(first, [0, 1], 6)
+    check_final(first, [0, 1], 6, local)
+    shards = {"shard-0.done.json"} if replicated else {"shard-0.done.json", "shard-1.done.json"}
+    assert {p.name for p in (snap / "step-00000006").glob("*.json")} == shards
     # the call ended with its last due snapshot on disk; at most two steps are kept (a
     # due step may be left out when the disk is behind: the newest one is written next)
     names = {p.name for p in snap.iterdir()}
@@ -181,10 +191,16 @@ def test_a_cold_restart_restores_from_disk_never_from_a_torn_snapshot(tmp_path):
         "snapshot_train.py",
         2,
         tmp_path / "second",
-        spec(tmp_path / "second", steps=10, snapshot_dir=str(snap), persist_every=2),
+        spec(
+            tmp_path / "second",
+            steps=10,
+            snapshot_dir=str(snap),
+            persist_every=2,
+            replicated=replicated,
+        ),
         timeout=150,
     )
-    check_final(second, [0, 1], 10)
+    check_final(second, [0, 1], 10, local)
     record = restores(tmp_path / "second")[0]
     assert record["step"] == 6 and record["sources"]["disk"] == 2 and record["verified"]
     assert record["bytes"] > 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import pickle
 import time
 from typing import Any
@@ -79,13 +80,21 @@ class Snapshots:
         layout.check_state(state)
         if not isinstance(replicated, bool):
             raise TypeError(f"restore(replicated=...) must be a bool, got {replicated!r}")
-        started = time.monotonic()
         pg = transfer.group()
+        if pg is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            # alone, each rank would pick its own step
+            raise RuntimeError(
+                "restore() needs torch.distributed initialized (init_process_group) first: "
+                f"WORLD_SIZE={os.environ['WORLD_SIZE']} ranks must agree on the step"
+            )
         self._group, self._group_iteration = pg, iteration
         rank, world = _rank_world(pg)
         self._rank, self._world = rank, world
         mine = self.holdings()
         described = transfer.all_gather((replicated, mine, self.step_seconds()), pg)
+        # Timed from here, where every rank has arrived: not the ranks' skew in
+        # reaching restore (process start, init_process_group).
+        started = time.monotonic()
         modes = {r: d[0] for r, d in enumerate(described)}
         if len(set(modes.values())) > 1:
             raise ValueError(f"restore(replicated=...) must be the same on every rank, got {modes}")
@@ -157,7 +166,8 @@ class Snapshots:
             "seconds": round(max(o[2] for o in outcome), 6),
             "bytes": sum(o[3] for o in outcome),
             "sources": plan.counts(),
-            "step_seconds": described[0][2],
+            # rank 0's measure; a rank 0 without one (a new process): the next rank's
+            "step_seconds": next((d[2] for d in described if d[2] is not None), None),
             "verified": step > 0 and not mismatch,
             "replicated": replicated,
             "world_size": world,
@@ -202,7 +212,7 @@ class Snapshots:
             )
         p = self._persister
         if p is not None and p.due(step) and (not self.replicated or self._rank == 0):
-            p.submit(slot, self._world, self.replicated, prune=self._rank == 0)
+            p.submit(slot, self._world, self.replicated)
 
     # ---------------------------------------------------------------- end of the call
 

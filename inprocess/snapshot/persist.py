@@ -15,7 +15,8 @@ write torn by a crash, is never loaded. The marker carries the skeleton
 
 Replicated state: only rank 0 writes (shard 0). One write at a time, and at
 most one waiting behind it (the newest due): training never waits for the
-disk. Rank 0 keeps the two newest complete steps and removes older ones.
+disk. After each write, the two newest steps complete on every shard are
+kept, and anything newer; older steps are removed.
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ class Persister:
         self.root = root
         self.every = every
         self._cond = threading.Condition()
-        self._pending: tuple[HostSnapshot, int, bool, bool] | None = None
+        self._pending: tuple[HostSnapshot, int, bool] | None = None
         self._writing = False
         self._closing = False
         self._thread: threading.Thread | None = None
@@ -118,9 +119,7 @@ class Persister:
     def due(self, step: int) -> bool:
         return step % self.every == 0
 
-    def submit(
-        self, snapshot: HostSnapshot, world_size: int, replicated: bool, prune: bool
-    ) -> None:
+    def submit(self, snapshot: HostSnapshot, world_size: int, replicated: bool) -> None:
         """Queues a private copy of ``snapshot`` for writing (replacing one still waiting)."""
         snapshot.wait()
         copy = HostSnapshot()
@@ -133,7 +132,7 @@ class Persister:
                     self._pending[0].step,
                 )
                 self._pending[0].release()
-            self._pending = (copy, world_size, replicated, prune)
+            self._pending = (copy, world_size, replicated)
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="inprocess-snapshot-writer", daemon=True
@@ -157,7 +156,7 @@ class Persister:
                     self._writing = False
                     self._cond.notify_all()
 
-    def _write(self, snap: HostSnapshot, world_size: int, replicated: bool, prune: bool) -> None:
+    def _write(self, snap: HostSnapshot, world_size: int, replicated: bool) -> None:
         import torch.distributed.checkpoint as dcp
 
         step, shard = snap.step, snap.shard
@@ -187,8 +186,9 @@ class Persister:
             log.debug(
                 "persisted step %d shard %d in %.3fs", step, shard, time.monotonic() - started
             )
-            if prune:
-                self._prune(1 if replicated else world_size)
+            # Every writer prunes after its write: the last shard of a step to land
+            # sees the step whole (concurrent prunes remove the same directories).
+            self._prune(1 if replicated else world_size)
         except Exception as ex:  # a thread's error is reported, never raised into training
             self.last_error = ex
             log.warning("persisting the snapshot of step %s failed: %r", step, ex)
@@ -196,17 +196,23 @@ class Persister:
             snap.release()
 
     def _prune(self, shards: int) -> None:
-        """Removes steps older than the ``KEEP`` newest complete ones (all shards done)."""
+        """Keeps the ``KEEP`` newest whole steps (every shard complete) and what is newer.
+
+        Older steps go, incomplete ones too: a step older than a whole one is
+        never written any more (each rank writes its steps in order), and one
+        left incomplete (a rank's write skipped while its disk was behind) can
+        never be restored.
+        """
         done: dict[int, set[int]] = {}
         for shard, step in complete(self.root):
             done.setdefault(step, set()).add(shard)
         whole = sorted(s for s, have in done.items() if len(have) >= shards)
-        if len(whole) <= KEEP:
+        if not whole:
             return
-        oldest_kept = whole[-KEEP]
+        keep = set(whole[-KEEP:])
         for name in os.listdir(self.root):
             m = _STEP_DIR.match(name)
-            if m and int(m.group(1)) < oldest_kept:
+            if m and int(m.group(1)) < whole[-1] and int(m.group(1)) not in keep:
                 shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
 
     def flush(self, timeout: float | None = None) -> bool:

@@ -64,13 +64,17 @@ def exchange(
 
     works = []
     received = 0
+    # A state without tensors has no bytes: both sides know it from the header.
     for peer, snap in sends:
         snap.wait()
-        works.append(dist.isend(snap.data[: snap.nbytes], _global(peer, pg), group=pg, tag=tag))
+        if snap.nbytes:
+            data = snap.data[: snap.nbytes]
+            works.append(dist.isend(data, _global(peer, pg), group=pg, tag=tag))
     for peer, slot in receives:
-        region = slot.data[: slot.nbytes]
-        works.append(dist.irecv(region, _global(peer, pg), group=pg, tag=tag))
-        received += slot.nbytes
+        if slot.nbytes:
+            region = slot.data[: slot.nbytes]
+            works.append(dist.irecv(region, _global(peer, pg), group=pg, tag=tag))
+            received += slot.nbytes
     for w in works:
         w.wait()
     return received
