@@ -21,6 +21,13 @@ Definitions (all from the records' wall-clock times):
   the first end (its fault's time when the iteration ended in a restart);
 * *time lost*: wall time minus training time (start-up included); *in
   recovery* is the sum of restart latencies (fault to back in the function).
+
+Training state (``restore`` records of :meth:`inprocess.CallWrapper.restore`):
+per restore the step restored, where the ranks' state came from (own memory,
+a peer, disk), the bytes moved, the restore time and the redone steps (steps
+committed before the fault that the job runs again). Redone steps are lost
+time: their ``redone_steps x step_seconds`` is taken out of the training time
+(and so out of the goodput) and counted in the time lost.
 """
 
 from __future__ import annotations
@@ -161,6 +168,71 @@ _JOB_MARKERS = {
 }
 
 
+#: where a restore found the ranks' state, in the order the report lists them
+STATE_SOURCES = ("memory", "peer", "disk", "none")
+
+
+def state_summary(records: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """The training-state figures of the ``restore`` records; ``None`` when there are none.
+
+    A restore whose record lacks ``step_seconds`` (fewer than two commits before
+    the fault) costs its redone steps at the median step time of the others.
+    """
+    restores = [r for r in records if r.get("type") == "restore"]
+    if not restores:
+        return None
+    known = [float(r["step_seconds"]) for r in restores if r.get("step_seconds")]
+    fallback = percentile(known, 50) or 0.0
+    rows = []
+    for r in restores:
+        redone = int(r.get("redone_steps") or 0)
+        step_seconds = float(r["step_seconds"]) if r.get("step_seconds") else fallback
+        sources = {k: int(n) for k, n in (r.get("sources") or {}).items() if n}
+        rows.append(
+            {
+                "time": r["time"],
+                "iteration": r.get("iteration"),
+                "step": r.get("step"),
+                "sources": sources,
+                "bytes": int(r.get("bytes") or 0),
+                "seconds": float(r.get("seconds") or 0.0),
+                "redone_steps": redone,
+                "redone_seconds": redone * step_seconds,
+                "verified": r.get("verified"),
+                "mismatch": r.get("mismatch"),
+            }
+        )
+    # the first start (step 0 from nothing) is no recovery: not in the figures
+    recoveries = [x for x in rows if x["step"] or x["redone_steps"]]
+    seconds = [x["seconds"] for x in recoveries]
+    redone = [x["redone_steps"] for x in recoveries]
+    totals: collections.Counter[str] = collections.Counter()
+    for x in rows:
+        totals.update(x["sources"])
+    return {
+        "restores": len(rows),
+        "recoveries": len(recoveries),
+        "sources": {
+            k: totals[k]
+            for k in (*STATE_SOURCES, *sorted(set(totals) - set(STATE_SOURCES)))
+            if totals[k]
+        },
+        "bytes": sum(x["bytes"] for x in rows),
+        "restore_seconds": {
+            "median": percentile(seconds, 50),
+            "max": max(seconds) if seconds else None,
+        },
+        "redone_steps": {
+            "total": sum(redone),
+            "per_fault_mean": sum(redone) / len(redone) if redone else None,
+            "max": max(redone) if redone else None,
+        },
+        "redone_seconds": sum(x["redone_seconds"] for x in rows),
+        "mismatches": sum(1 for x in rows if x["mismatch"]),
+        "per_restore": rows,
+    }
+
+
 def summarize(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The report's numbers (see the module docstring for their definitions)."""
     restarts = [r for r in records if r.get("type") == "restart"]
@@ -172,7 +244,9 @@ def summarize(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     first = start_events[0]["time"] if start_events else (records[0]["time"] if records else 0.0)
     last = end_events[-1]["time"] if end_events else (records[-1]["time"] if records else 0.0)
     wall = max(0.0, last - first)
-    training = sum(end - start for start, end in training_intervals(records))
+    state = state_summary(records)
+    redone = state["redone_seconds"] if state else 0.0
+    training = max(0.0, sum(end - start for start, end in training_intervals(records)) - redone)
     latencies = [float(r["latency"]) for r in restarts if r.get("latency") is not None]
 
     faults_by_kind: collections.Counter[str] = collections.Counter()
@@ -214,6 +288,7 @@ def summarize(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "training_time": training,
         "time_lost": max(0.0, wall - training),
         "in_recovery": sum(latencies),
+        "redone_time": redone,
         "goodput": training / wall if wall > 0 else None,
         "restarts": len(restarts),
         "admissions": admissions,
@@ -231,6 +306,7 @@ def summarize(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "controller_recoveries": len(by_event["controller_recovery"]),
         "limits": [e.get("detail") for e in by_event["limit"]],
         "per_node": {str(k): dict(v) for k, v in sorted(nodes.items(), key=lambda kv: str(kv[0]))},
+        "state": state,
         "result": None
         if end is None
         else {"exit_code": end.get("returncode"), "detail": end.get("detail")},
@@ -243,6 +319,73 @@ def _seconds(value: float | None) -> str:
     return f"{value * 1000:.0f} ms" if value < 1 else f"{value:.2f} s"
 
 
+def _time_lost(s: dict[str, Any]) -> str:
+    parts = [f"in recovery: {_seconds(s['in_recovery'])}"]
+    if s.get("state"):
+        parts.append(f"redone steps: {_seconds(s.get('redone_time'))}")
+    return f"{_seconds(s['time_lost'])} ({', '.join(parts)})"
+
+
+def _bytes(n: int) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+def _sources(counts: dict[str, int]) -> str:
+    return ", ".join(f"{k} {n}" for k, n in counts.items()) or "-"
+
+
+def _or_dash(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
+def _state_rows(state: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """The summary's training-state rows (none without ``restore`` records)."""
+    if not state:
+        return []
+    redone, seconds = state["redone_steps"], state["restore_seconds"]
+    mean = "-" if redone["per_fault_mean"] is None else f"{redone['per_fault_mean']:.2f}"
+    rows = [
+        (
+            "state restores",
+            f"{state['restores']} (after a fault or restart: {state['recoveries']})",
+        ),
+        ("  ranks restored from", _sources(state["sources"])),
+        ("  bytes moved", _bytes(state["bytes"])),
+        ("  restore time", f"median {_seconds(seconds['median'])}, max {_seconds(seconds['max'])}"),
+        (
+            "  redone steps",
+            f"{redone['total']} (per restore: mean {mean}, max {_or_dash(redone['max'])}; "
+            f"{_seconds(state['redone_seconds'])} lost)",
+        ),
+    ]
+    if state["mismatches"]:
+        rows.append(("  checksum mismatches", str(state["mismatches"])))
+    return rows
+
+
+def _restore_lines(state: dict[str, Any] | None) -> list[str]:
+    """One line per restore: iteration, step, sources, bytes, time, redone steps."""
+    if not state:
+        return []
+    lines = ["", "restores   iteration    step  redone  restore time       bytes  sources"]
+    for x in state["per_restore"]:
+        flag = (
+            "  MISMATCH "
+            + ", ".join(f"rank {m.get('rank')} {m.get('key')!r}" for m in x["mismatch"])
+            if x["mismatch"]
+            else ""
+        )
+        lines.append(
+            f"{'':<10} {_or_dash(x['iteration']):>9} {_or_dash(x['step']):>7} "
+            f"{x['redone_steps']:>7} {_seconds(x['seconds']):>13} {_bytes(x['bytes']):>11}  "
+            f"{_sources(x['sources'])}{flag}"
+        )
+    return lines
+
+
 def format_summary(s: dict[str, Any]) -> str:
     """The summary as a table for the terminal."""
     rows: list[tuple[str, str]] = []
@@ -253,7 +396,7 @@ def format_summary(s: dict[str, Any]) -> str:
         ("wall time", _seconds(s["wall_time"])),
         ("training time", _seconds(s["training_time"])),
         ("goodput", goodput),
-        ("time lost", f"{_seconds(s['time_lost'])} (in recovery: {_seconds(s['in_recovery'])})"),
+        ("time lost", _time_lost(s)),
         (
             "in-process restarts",
             f"{s['restarts']} (admitting a relaunched worker: {s['admissions']})"
@@ -293,8 +436,10 @@ def format_summary(s: dict[str, Any]) -> str:
     ]
     for detail in s["limits"]:
         rows.append(("limit reached", str(detail)))
+    rows += _state_rows(s.get("state"))
     width = max(len(k) for k, _ in rows)
     lines = [f"{k.ljust(width)}  {v}" for k, v in rows]
+    lines += _restore_lines(s.get("state"))
     if s["per_node"]:
         lines += ["", "per node     in-process faults  failed worker exits  node relaunches"]
         for node, counts in s["per_node"].items():
