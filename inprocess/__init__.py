@@ -13,7 +13,12 @@ from typing import TYPE_CHECKING, Any
 
 # Imported on first use (PEP 562), so that a process that needs only the job
 # layer (a controller, a Ray node agent) does not pay for importing torch.
-_LAZY_ATTRS = {"CallWrapper": ".wrap", "Compose": ".compose", "Wrapper": ".wrap"}
+_LAZY_ATTRS = {
+    "CallWrapper": ".wrap",
+    "Compose": ".compose",
+    "State": ".state",
+    "Wrapper": ".wrap",
+}
 _LAZY_MODULES = {
     "abort",
     "completion",
@@ -23,6 +28,7 @@ _LAZY_MODULES = {
     "health_check",
     "initialize",
     "monitor_thread",
+    "nested_restarter",
     "rank_assignment",
     "rank_filter",
     "state",
@@ -41,6 +47,7 @@ if TYPE_CHECKING:
         health_check,
         initialize,
         monitor_thread,
+        nested_restarter,
         rank_assignment,
         rank_filter,
         state,
@@ -49,6 +56,7 @@ if TYPE_CHECKING:
         tools,
     )
     from .compose import Compose
+    from .state import State
     from .wrap import CallWrapper, Wrapper
 
 
@@ -69,6 +77,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "CallWrapper",
     "Compose",
+    "State",
     "Wrapper",
     "abort",
     "completion",
@@ -78,6 +87,7 @@ __all__ = [
     "health_check",
     "initialize",
     "monitor_thread",
+    "nested_restarter",
     "rank_assignment",
     "rank_filter",
     "state",
