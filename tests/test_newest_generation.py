@@ -1,0 +1,296 @@
+"""The API's newest generation (issue 22): nested restarter, top-level State,
+the newest fault injector's names, and its example scripts under torchrun."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import io
+import os
+import re
+import statistics
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+from launcher import MARKER, REPO, WORKERS, free_port, job_processes
+
+import inprocess
+from inprocess.generation import Generation, generation_of, wrapper_generation
+from inprocess.nested_restarter import (
+    NestedRestarterAborted,
+    NestedRestarterFinalized,
+    NestedRestarterHandlingCompleted,
+    NestedRestarterHandlingStarting,
+)
+from inprocess.state import FrozenState, State
+from inprocess.tools.inject_fault import Fault
+
+ms = datetime.timedelta(milliseconds=1)
+FAST = dict(
+    monitor_thread_interval=20 * ms,
+    monitor_process_interval=20 * ms,
+    progress_watchdog_interval=20 * ms,
+    last_call_wait=10 * ms,
+)
+LINE = re.compile(
+    r"^\[[^]]+\] \[INFO\] \[InprocessRestarter@[^]]+\] active_rank=(\S+) "
+    r"\[NestedRestarter\] name=\[InProcess\] state=(\w+)(?: stage=(\w+))?$"
+)
+
+
+def transitions(text: str) -> list[tuple[str, ...]]:
+    found = []
+    for line in text.splitlines():
+        m = LINE.match(line.strip())
+        if m:
+            found.append((m.group(2), m.group(3)) if m.group(3) else (m.group(2),))
+    return found
+
+
+# ---------------------------------------------------------------------- units
+
+
+def test_state_is_at_the_top_level():
+    assert inprocess.State is State
+    assert "State" in inprocess.__all__ and "nested_restarter" in inprocess.__all__
+
+
+def test_each_callback_writes_its_transition_on_the_special_rank_only():
+    out = io.StringIO()
+    state = State(rank=1, world_size=2)
+    completed = NestedRestarterHandlingCompleted(special_rank=1, stream=out)
+    starting = NestedRestarterHandlingStarting(special_rank=1, stream=out)
+    finalized = NestedRestarterFinalized(special_rank=1, stream=out)
+    aborted = NestedRestarterAborted(special_rank=1, stream=out)
+    assert completed(state) is state
+    # The abort runs in the monitor thread and again on the restart path: one line.
+    restarted = State(rank=1, world_size=2, iteration=1)
+    assert starting(restarted) is restarted and starting(restarted) is restarted
+    completed(restarted)
+    frozen = restarted.freeze()
+    assert finalized(frozen) is frozen
+    aborted(frozen)
+    assert transitions(out.getvalue()) == [
+        ("initialize",),
+        ("handling", "starting"),
+        ("handling", "completed"),
+        ("finalized",),
+        ("aborted",),
+    ]
+    assert "active_rank=1 [NestedRestarter]" in out.getvalue()
+
+    other = io.StringIO()
+    for cb in (NestedRestarterHandlingCompleted, NestedRestarterHandlingStarting):
+        cb(special_rank=1, stream=other)(State(rank=0, world_size=2))
+    assert other.getvalue() == ""
+
+
+def test_callbacks_are_instances_of_their_kind_and_check_their_argument():
+    assert isinstance(NestedRestarterHandlingCompleted(), inprocess.initialize.Initialize)
+    assert isinstance(NestedRestarterHandlingStarting(), inprocess.abort.Abort)
+    assert isinstance(NestedRestarterFinalized(), inprocess.completion.Completion)
+    assert isinstance(NestedRestarterAborted(), inprocess.terminate.Terminate)
+    for bad in (-1, "0", True, 1.0):
+        with pytest.raises(ValueError, match="special_rank"):
+            NestedRestarterFinalized(special_rank=bad)
+
+
+def test_callbacks_compose_in_both_generations():
+    out = io.StringIO()
+    starting = NestedRestarterHandlingStarting(stream=out)
+    composed = inprocess.Compose(inprocess.abort.AbortTorchDistributed(), starting)
+    assert isinstance(composed, inprocess.abort.Abort)
+    assert generation_of("abort", composed) is None
+    assert generation_of("initialize", NestedRestarterHandlingCompleted()) is None
+    assert generation_of("completion", NestedRestarterFinalized()) is None
+
+    # The guide's generation: rank_filter and finalize(state, ex) beside them.
+    class GuideFinalize(inprocess.finalize.Finalize):
+        def __call__(self, state, train_ex):
+            return state, train_ex
+
+    guide = {
+        "initialize": NestedRestarterHandlingCompleted(),
+        "abort": composed,
+        "finalize": GuideFinalize(),
+        "rank_filter": inprocess.rank_filter.WorldSizeDivisibleBy(1),
+        "completion": NestedRestarterFinalized(),
+        "terminate": NestedRestarterAborted(),
+    }
+    assert wrapper_generation(guide) is Generation.GUIDE
+
+    class NewerInitialize(inprocess.initialize.Initialize):
+        def __call__(self, state: FrozenState) -> FrozenState:
+            return state
+
+    newer = {
+        "initialize": inprocess.Compose(NestedRestarterHandlingCompleted(), NewerInitialize()),
+        "abort": composed,
+        "completion": NestedRestarterFinalized(),
+    }
+    assert wrapper_generation(newer) is Generation.NEWER
+    # Chained with either generation's state, the composition hands it on unchanged.
+    state = State(rank=0, world_size=1)
+    assert composed(state) is state
+    frozen = state.freeze()
+    assert composed(frozen) is frozen
+    assert transitions(out.getvalue()) == [("handling", "starting")]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("generation", ["guide", "newer"])
+def test_wrapper_writes_the_sequence_of_a_restart(single_rank, capfd, generation):
+    class GuideFinalize(inprocess.finalize.Finalize):
+        def __call__(self, state, train_ex):
+            return state, train_ex
+
+    class NewerFinalize(inprocess.finalize.Finalize):
+        def __call__(self, state: FrozenState) -> FrozenState:
+            return state
+
+    wrapper = inprocess.Wrapper(
+        initialize=NestedRestarterHandlingCompleted(),
+        abort=inprocess.Compose(
+            inprocess.abort.AbortTorchDistributed(), NestedRestarterHandlingStarting()
+        ),
+        finalize=GuideFinalize() if generation == "guide" else NewerFinalize(),
+        completion=NestedRestarterFinalized(),
+        terminate=NestedRestarterAborted(),
+        **FAST,
+    )
+
+    def train(call_wrapper: inprocess.CallWrapper = None):
+        if call_wrapper.iteration < 2:
+            raise ValueError("fault")
+        return call_wrapper.iteration
+
+    assert wrapper(train)() == 2
+    err = capfd.readouterr().err
+    assert transitions(err) == [
+        ("initialize",),
+        ("handling", "starting"),
+        ("handling", "completed"),
+        ("handling", "starting"),
+        ("handling", "completed"),
+        ("finalized",),
+    ], err
+
+    wrapper = inprocess.Wrapper(
+        initialize=inprocess.initialize.RetryController(max_iterations=1),
+        terminate=NestedRestarterAborted(),
+        **FAST,
+    )
+    with pytest.raises(inprocess.exception.RestartAbort):
+        wrapper(train)()
+    assert transitions(capfd.readouterr().err) == [("aborted",)]
+
+
+def test_fault_names_of_the_newest_injector():
+    pairs = {
+        "GPU_ERROR": Fault.GPU,
+        "OS_ABORT": Fault.ABORT,
+        "LOCK_GIL": Fault.GIL,
+        "SIGINT": Fault.INT,
+        "SIGKILL": Fault.KILL,
+        "SIGTERM": Fault.TERM,
+        "SIGSTOP": Fault.STOP,
+    }
+    for name, member in pairs.items():
+        assert Fault[name] is member
+    assert Fault.WORKLOAD_EXC not in pairs.values()
+
+
+@pytest.mark.timeout(60)
+def test_workload_exception_is_raised_where_the_workload_asks(monkeypatch):
+    from inprocess.tools import inject_fault as fi
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    fi.maybe_raise_workload_exception()  # nothing fired: no exception
+    injector = fi.inject_fault([Fault.WORKLOAD_EXC], 1, 1, 0.0, 0)
+    assert injector is not None
+    injector.join(10)
+    with pytest.raises(fi.InjectedFault):
+        fi.maybe_raise_workload_exception()
+    fi.maybe_raise_workload_exception()  # raised once only
+    injector = fi.inject_fault([Fault.WORKLOAD_EXC], 1, 1, 0.0, 0)
+    injector.join(10)
+    fi.clear_workload_exception()
+    fi.maybe_raise_workload_exception()
+
+
+# --------------------------------------------------------------------- torchrun
+
+
+def run_example(tmp_path: Path, name: str, args: list[str]) -> tuple[str, list[float]]:
+    """Runs the example script with 4 ranks under torchrun; (log, restart latencies)."""
+    work = tmp_path / name
+    work.mkdir()
+    marker = uuid.uuid4().hex
+    env = dict(
+        os.environ,
+        RES_OPTIONS="timeout:1 attempts:1",
+        PYTHONWARNINGS="ignore:Failed to initialize NumPy",
+        PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    )
+    env[MARKER] = marker
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4"]
+    cmd += ["--master-port", str(free_port()), str(WORKERS / "newest_example.py")]
+    cmd += ["--path", str(work), "--total-iterations", "200", *args]
+    log = work / "torchrun.log"
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
+    try:
+        returncode = proc.wait(150)
+    finally:
+        proc.kill()
+        proc.wait()
+        leftovers = job_processes(marker)
+        for p in leftovers:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+    text = log.read_text(errors="replace")
+    assert returncode == 0, text[-6000:]
+    assert not leftovers
+    latencies = [float(x) for x in re.findall(r"restart latency: ([0-9.]+)s", text)]
+    return text, latencies
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(540)
+def test_newest_examples_under_torchrun(tmp_path):
+    # One job per shape; faults drawn with a fixed seed so that every job restarts.
+    figures = {}
+    for name, args in (
+        ("basic", ["--shape", "basic", "--seed", "5", "--fault-prob", "0.01"]),
+        ("advanced", ["--shape", "advanced", "--seed", "3", "--fault-prob", "0.01"]),
+        (
+            "nested",
+            ["--shape", "advanced", "--nested-restarter", "--seed", "3", "--fault-prob", "0.01"],
+        ),
+    ):
+        text, latencies = run_example(tmp_path, name, args)
+        assert latencies, f"{name}: no fault was injected\n{text[-3000:]}"
+        figures[name] = (len(latencies), statistics.median(latencies), max(latencies))
+        seen = transitions(text)
+        if name != "nested":
+            assert not seen
+            continue
+        # Rank 0 speaks for the job: initialize, then starting/completed for
+        # every restart (faults of one iteration on several ranks are one
+        # restart), then finalized.
+        assert seen[0] == ("initialize",) and seen[-1] == ("finalized",), seen
+        middle = seen[1:-1]
+        restarts = len(middle) // 2
+        assert middle == [("handling", "starting"), ("handling", "completed")] * restarts, seen
+        assert 1 <= restarts <= len(latencies), (seen, latencies)
+    print(f"\n(faults, median restart s, worst s): {figures}")
+    # The target is 0.5 s (benchmarks/README.md has the figures); a 2-core
+    # machine loaded by other jobs gets more room.
+    bound = 0.5 if os.getloadavg()[0] < 4 else 2.0
+    for name, (_, median, _worst) in figures.items():
+        assert median <= bound, (name, figures)
