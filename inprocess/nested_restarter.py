@@ -23,20 +23,33 @@ the job). Each callback takes either generation's state (a ``State`` or a
 and with the other callbacks of either generation. The lines go to standard
 error directly, not through :mod:`logging`, so that the outer launcher sees them
 whatever the application's logging configuration is.
+
+Under ``inprocess-run`` (the records file named by
+:data:`inprocess.records.RECORDS_ENV`), each line is also appended there as a
+``restarter`` record (``state``, ``stage``, ``iteration``, ``rank``), so that
+the restart records and the report show the restarter's states of every
+restart (:func:`inprocess.report.restarter_states`).
 """
 
 from __future__ import annotations
 
 import datetime
+import logging
+import os
+import re
 import socket
 import sys
 import threading
+import time
 from typing import IO, Any
 
 from .abort.base import Abort
 from .completion import Completion
 from .initialize import Initialize
+from .records import RECORDS_ENV, append_jsonl
 from .terminate import Terminate
+
+log = logging.getLogger(__name__)
 
 #: the name the lines carry, and the prefix an outer launcher looks for
 LOGGER_NAME = "InprocessRestarter"
@@ -44,6 +57,20 @@ MARKER = "[NestedRestarter] name=[InProcess]"
 
 # Lines from the monitor thread (abort) and the main thread must not interleave.
 _write_lock = threading.Lock()
+
+
+_LINE = re.compile(
+    r"active_rank=(?P<active_rank>\S+) \[NestedRestarter\] name=\[InProcess\] "
+    r"state=(?P<state>\w+)(?: stage=(?P<stage>\w+))?"
+)
+
+
+def parse_line(line: str) -> dict[str, Any] | None:
+    """``{"active_rank", "state", "stage"}`` of a restarter line (any prefix), else None."""
+    m = _LINE.search(line)
+    if m is None:
+        return None
+    return {"active_rank": m["active_rank"], "state": m["state"], "stage": m["stage"]}
 
 
 def format_line(active_rank: Any, state: str, stage: str | None = None) -> str:
@@ -103,6 +130,20 @@ class NestedRestarterCallback:
         with _write_lock:
             stream.write(line)
             stream.flush()
+        path = os.environ.get(RECORDS_ENV)
+        if path:
+            record = {
+                "type": "restarter",
+                "time": time.time(),
+                "state": restarter_state,
+                "stage": stage,
+                "iteration": getattr(state, "iteration", None),
+                "rank": self.special_rank,
+            }
+            try:
+                append_jsonl(path, record)
+            except OSError as ex:  # a record never stops a restart
+                log.debug("cannot append the restarter record to %s: %s", path, ex)
 
     def __call__(self, state: Any, *rest: Any) -> Any:
         """Writes the line (on ``special_rank``) and returns what it was given."""
@@ -159,4 +200,5 @@ __all__ = [
     "NestedRestarterHandlingCompleted",
     "NestedRestarterHandlingStarting",
     "format_line",
+    "parse_line",
 ]

@@ -294,3 +294,46 @@ def test_newest_examples_under_torchrun(tmp_path):
     bound = 0.5 if os.getloadavg()[0] < 4 else 2.0
     for name, (_, median, _worst) in figures.items():
         assert median <= bound, (name, figures)
+
+
+@pytest.mark.timeout(120)
+def test_records_and_report_show_the_restarter_states_of_each_restart(
+    single_rank, tmp_path, monkeypatch, capfd
+):
+    from inprocess import report
+    from inprocess.nested_restarter import parse_line
+    from inprocess.records import RECORDS_ENV
+
+    path = tmp_path / "restarts.jsonl"
+    monkeypatch.setenv(RECORDS_ENV, str(path))
+    wrapper = inprocess.Wrapper(
+        initialize=NestedRestarterHandlingCompleted(),
+        abort=inprocess.Compose(
+            inprocess.abort.AbortTorchDistributed(), NestedRestarterHandlingStarting()
+        ),
+        completion=NestedRestarterFinalized(),
+        **FAST,
+    )
+
+    def train(call_wrapper: inprocess.CallWrapper = None):
+        if call_wrapper.iteration < 2:
+            raise ValueError("fault")
+
+    wrapper(train)()
+    lines = [parse_line(x) for x in capfd.readouterr().err.splitlines()]
+    assert [(x["state"], x["stage"]) for x in lines if x][-1] == ("finalized", None)
+
+    records = report.load([path])
+    restarts = [r for r in records if r["type"] == "restart"]
+    assert len(restarts) == 2
+    for r in restarts:
+        assert r["restarter"] == ["handling:starting", "handling:completed"], r
+    summary = report.summarize(records)
+    assert summary["restarter_states"] == [["handling:starting", "handling:completed"]] * 2
+    text = report.format_summary(summary)
+    assert "restarter, restart 2  handling:starting -> handling:completed" in text, text
+    assert parse_line("x active_rank=None [NestedRestarter] name=[InProcess] state=aborted") == {
+        "active_rank": "None",
+        "state": "aborted",
+        "stage": None,
+    }
