@@ -19,9 +19,9 @@ switch: how many positional arguments its ``__call__`` takes (``finalize``,
 the guide's, ``completion`` and ``terminate`` the newer generation's). A
 :class:`inprocess.Compose` has the shape of its members. Callbacks that take
 either shape (the built-in ones: ``ShiftRanks``, ``CudaHealthCheck``,
-``RetryController``, the nested restarter's, ...) follow the others; a Wrapper whose callbacks are all
-of that kind runs the guide's generation. Callbacks of both generations in one
-Wrapper are an error naming them.
+``RetryController``, the nested restarter's, ...) follow the others; a Wrapper
+whose callbacks are all of that kind runs the guide's generation. Callbacks of
+both generations in one Wrapper are an error naming them.
 """
 
 from __future__ import annotations

@@ -3,7 +3,10 @@
 An outer launcher that restarts whole jobs reads, from each job's output, one
 line per state transition of the in-process restarter, in this form::
 
-    [<time>] [INFO] [InprocessRestarter@<host>] active_rank=<r> [NestedRestarter] name=[InProcess] state=<state> stage=<stage>
+    [<time>] [INFO] [InprocessRestarter@<host>] active_rank=<r> \
+        [NestedRestarter] name=[InProcess] state=<state> stage=<stage>
+
+(one line; broken here for width)
 
 (``stage=`` only where the state has one). The states, in the order one rank
 goes through them:

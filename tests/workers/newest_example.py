@@ -22,7 +22,6 @@ import os
 import pathlib
 import random
 import time
-from typing import Optional
 
 import torch
 
@@ -55,21 +54,21 @@ def note_restart():
 
 def train_loop(model, opt, model_ddp, rank, world_size, args, call_wrapper):
     global raise_timestamp
-    iteration = 0
+    start = 0
     checkpoint_path = pathlib.Path(args.path) / "checkpoint.pt"
     if checkpoint_path.exists():
         checkpoint = torch.load(checkpoint_path)
         model.load_state_dict(checkpoint["model"])
         opt.load_state_dict(checkpoint["opt"])
         torch.set_rng_state(checkpoint["rng"])
-        iteration = checkpoint["iteration"]
+        start = checkpoint["iteration"]
 
     if args.seed is not None:
-        random.seed(args.seed + iteration * world_size + rank + 7919 * call_wrapper.iteration)
+        random.seed(args.seed + start * world_size + rank + 7919 * call_wrapper.iteration)
     else:
         random.seed(time.perf_counter_ns())
 
-    for iteration in range(iteration, args.total_iterations):
+    for iteration in range(start, args.total_iterations):
         if iteration % args.chkpt_interval == args.chkpt_interval - 1:
             torch.distributed.barrier()
             if rank == 0:
@@ -102,14 +101,16 @@ def train_loop(model, opt, model_ddp, rank, world_size, args, call_wrapper):
     store_kwargs={"port": int(os.getenv("MASTER_PORT", 29500)) + 2},
     health_check=inprocess.health_check.CudaHealthCheck(),
 )
-def basic_main(call_wrapper: Optional[inprocess.CallWrapper] = None):
+def basic_main(call_wrapper: inprocess.CallWrapper | None = None):
     note_restart()
     args = parse_args()
     rank = int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
     if args.seed is not None:
         torch.manual_seed(args.seed)
-    model = torch.nn.Sequential(*[torch.nn.Linear(args.size, args.size) for _ in range(args.layers)])
+    model = torch.nn.Sequential(
+        *[torch.nn.Linear(args.size, args.size) for _ in range(args.layers)]
+    )
     opt = torch.optim.Adam(model.parameters(), lr=1e-5)
     store = torch.distributed.TCPStore(
         host_name=os.environ["MASTER_ADDR"],
@@ -134,7 +135,9 @@ def basic_main(call_wrapper: Optional[inprocess.CallWrapper] = None):
 # ------------------------------------------------------------------ advanced
 
 
-def train(base_store, model, opt, timeout, args, call_wrapper: Optional[inprocess.CallWrapper] = None):
+def train(
+    base_store, model, opt, timeout, args, call_wrapper: inprocess.CallWrapper | None = None
+):
     note_restart()
     rank = int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
@@ -149,7 +152,9 @@ def train(base_store, model, opt, timeout, args, call_wrapper: Optional[inproces
 def advanced_main(args):
     if args.seed is not None:
         torch.manual_seed(args.seed)
-    model = torch.nn.Sequential(*[torch.nn.Linear(args.size, args.size) for _ in range(args.layers)])
+    model = torch.nn.Sequential(
+        *[torch.nn.Linear(args.size, args.size) for _ in range(args.layers)]
+    )
     opt = torch.optim.Adam(model.parameters(), lr=1e-5)
     store = torch.distributed.TCPStore(
         host_name=os.environ["MASTER_ADDR"],
@@ -178,7 +183,9 @@ def advanced_main(args):
 
 if __name__ == "__main__":
     args = parse_args()
-    logging.basicConfig(format="%(asctime)s | %(levelname)s | %(name)s | %(message)s", level=logging.INFO)
+    logging.basicConfig(
+        format="%(asctime)s | %(levelname)s | %(name)s | %(message)s", level=logging.INFO
+    )
     if args.shape == "basic":
         basic_main()
     else:

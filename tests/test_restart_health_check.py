@@ -1,0 +1,115 @@
+"""Restart health checks of the rank's GPU, NVLink and NIC, with a fake NVML on CPU (issue 22)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import pytest
+from test_health_check import FakeNVMLError, make_fake_pynvml
+
+import inprocess
+from inprocess.exception import HealthCheckError
+from inprocess.generation import generation_of
+from inprocess.health_check import (
+    ChainedGPUHealthCheck,
+    ChainedNicHealthCheck,
+    ChainedNVLHealthCheck,
+    restart_health_checks,
+)
+from inprocess.state import State
+
+
+def fake_nvml(monkeypatch, links=(1, 1), **kw):
+    nvml = make_fake_pynvml(**kw)
+    nvml.NVML_NVLINK_MAX_LINKS = 4
+
+    def nvmlDeviceGetNvLinkState(handle, link):
+        nvml.calls.append(("nvlink", handle, link))
+        if link >= len(links):
+            raise FakeNVMLError(nvml.NVML_ERROR_NOT_SUPPORTED)
+        return links[link]
+
+    nvml.nvmlDeviceGetNvLinkState = nvmlDeviceGetNvLinkState
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    return nvml
+
+
+def ib(tmp_path, counts):
+    for (dev, port), n in counts.items():
+        d = tmp_path / dev / "ports" / str(port) / "counters"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "link_downed").write_text(f"{n}\n")
+
+
+@pytest.fixture
+def state():
+    return State(rank=0, world_size=1)
+
+
+def test_gpu_failure_is_a_fault_of_the_rank(monkeypatch, state):
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    fake_nvml(monkeypatch, pending_pages=1)
+    with pytest.raises(HealthCheckError, match="GPU 1 is unhealthy"):
+        ChainedGPUHealthCheck()(state)
+    fake_nvml(monkeypatch)
+    assert ChainedGPUHealthCheck()(state) is state
+    assert ChainedGPUHealthCheck()(state, None) == (state, None)  # the guide's shape
+    frozen = state.freeze()
+    assert ChainedGPUHealthCheck()(frozen) is frozen  # the newer one's
+
+
+def test_nvlink_failure_is_logged_and_ignored(monkeypatch, state, caplog):
+    nvml = fake_nvml(monkeypatch, links=(1, 0))
+    caplog.set_level(logging.INFO, "inprocess.health_check.restart")
+    assert ChainedNVLHealthCheck(device_index=0)(state) is state
+    assert "NVLink of GPU 0 degraded (ignored): link 1 inactive" in caplog.text
+    assert [c[2] for c in nvml.calls if c[0] == "nvlink"] == [0, 1, 2, 3]
+    assert ("shutdown",) in nvml.calls
+
+
+def test_nic_link_down_is_a_fault_of_the_rank(tmp_path, state):
+    ib(tmp_path, {("mlx5_0", 1): 3, ("mlx5_1", 1): 0})
+    check = ChainedNicHealthCheck(device_index=0, sysfs_root=str(tmp_path))
+    assert check(state) is state
+    ib(tmp_path, {("mlx5_1", 1): 2})
+    with pytest.raises(HealthCheckError, match="mlx5_1 port 1: link down 2 time"):
+        check(state)
+    assert check(state) is state  # the new count is the baseline
+
+
+def test_absent_nvml_or_device_passes_with_a_clear_message(monkeypatch, tmp_path, state, caplog):
+    caplog.set_level(logging.INFO, "inprocess.health_check")
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    assert ChainedGPUHealthCheck(0)(state) is state
+    assert "pynvml cannot be imported" in caplog.text
+    nvl = ChainedNVLHealthCheck(0)
+    nvl(state)
+    nvl(state)
+    said = [r for r in caplog.records if "ChainedNVLHealthCheck checked nothing" in r.message]
+    assert len(said) == 1, "said once, not at every restart"
+    fake_nvml(monkeypatch, count=1)
+    caplog.clear()
+    assert ChainedNVLHealthCheck(3)(state) is state
+    assert "no GPU 3" in caplog.text
+    nic = ChainedNicHealthCheck(sysfs_root=str(tmp_path / "none"))
+    assert nic(state) is state
+    assert "no InfiniBand port counters" in caplog.text
+
+
+def test_restart_checks_run_in_the_documented_order(monkeypatch, tmp_path, state):
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert restart_health_checks() is None
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    chained = restart_health_checks()
+    assert isinstance(chained, inprocess.health_check.HealthCheck)
+    order = []
+    for cls in (ChainedGPUHealthCheck, ChainedNVLHealthCheck, ChainedNicHealthCheck):
+        monkeypatch.setattr(cls, "check", lambda self, c=cls: order.append(c.__name__))
+    assert chained(state) is state
+    assert order == ["ChainedGPUHealthCheck", "ChainedNVLHealthCheck", "ChainedNicHealthCheck"]
+    assert generation_of("health_check", chained) is None  # fits either generation
+    assert len(restart_health_checks(0, nic=False)._fns) == 2
+    for bad in (-1, "0", True):
+        with pytest.raises(ValueError, match="device_index"):
+            restart_health_checks(bad)
