@@ -59,6 +59,7 @@ from .exception import HealthCheckError, InternalError, StoreError
 from .exception import TimeoutError as RestartTimeoutError
 from .finalize import Finalize
 from .health_check import HealthCheck
+from .health_check.restart import restart_health_checks
 from .initialize import Initialize
 from .monitor_process import MonitorConfig, MonitorProcess
 from .monitor_thread import InterruptSignal, MonitorThread, RankShouldRestart
@@ -219,6 +220,9 @@ class Wrapper:
         arguments = dict(locals())
         del arguments["self"]
         self.config = WrapperConfig.from_arguments(**arguments)
+        #: GPU, NVLink and NIC checks of the rank's device (``LOCAL_RANK``), run
+        #: after the user's ``health_check`` on the restart path; None without LOCAL_RANK
+        self.restart_health_check = restart_health_checks() if self.config.enabled else None
 
     def __getattr__(self, name: str) -> Any:
         """The settings as attributes: ``wrapper.soft_timeout`` is a ``datetime.timedelta``
@@ -980,11 +984,16 @@ class CallWrapper:
 
     def _health_check(self, ex: BaseException | None) -> None:
         """The check after a fault: failing it ends this rank with a ``HealthCheckError``
-        whose ``__cause__`` is ``ex``, the exception that ended the function here."""
-        if self._config.health_check is None:
+        whose ``__cause__`` is ``ex``, the exception that ended the function here.
+        The user's check runs first, then the device checks (GPU, NVLink, NIC)."""
+        device_checks = self.wrapper.restart_health_check
+        if self._config.health_check is None and device_checks is None:
             return
         try:
-            self.state = _returned_state(self._invoke("health_check", ex), self.state)
+            if self._config.health_check is not None:
+                self.state = _returned_state(self._invoke("health_check", ex), self.state)
+            if device_checks is not None:
+                device_checks(_gen.frozen(self.state, ex))
         except Exception as failure:
             self._terminate_self(f"health check failed: {failure!r}")
             if isinstance(failure, HealthCheckError) and failure.__cause__ in (None, ex):

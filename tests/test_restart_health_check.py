@@ -113,3 +113,49 @@ def test_restart_checks_run_in_the_documented_order(monkeypatch, tmp_path, state
     for bad in (-1, "0", True):
         with pytest.raises(ValueError, match="device_index"):
             restart_health_checks(bad)
+
+
+@pytest.mark.timeout(120)
+def test_wrapper_runs_them_after_the_users_check_and_a_gpu_failure_ends_the_rank(
+    single_rank, monkeypatch
+):
+    import datetime
+
+    ms = datetime.timedelta(milliseconds=1)
+    fast = dict(
+        monitor_thread_interval=20 * ms,
+        monitor_process_interval=20 * ms,
+        progress_watchdog_interval=20 * ms,
+        last_call_wait=10 * ms,
+    )
+    order = []
+
+    class UserCheck(inprocess.health_check.HealthCheck):
+        def __call__(self, state, train_ex):
+            order.append("user")
+            return state, train_ex
+
+    def gpu(self):
+        order.append("gpu")
+        if len(order) > 4:
+            raise HealthCheckError("GPU 0 is unhealthy: fake")
+
+    monkeypatch.setattr(ChainedGPUHealthCheck, "check", gpu)
+    monkeypatch.setattr(ChainedNVLHealthCheck, "check", lambda self: order.append("nvlink"))
+    monkeypatch.setattr(ChainedNicHealthCheck, "check", lambda self: order.append("nic"))
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    wrapper = inprocess.Wrapper(health_check=UserCheck(), **fast)
+    assert wrapper.restart_health_check is not None
+
+    def train():
+        raise ValueError("fault")
+
+    with pytest.raises(HealthCheckError, match="GPU 0 is unhealthy") as info:
+        wrapper(train)()
+    assert isinstance(info.value.__cause__, ValueError)
+    # the first iteration's check is the user's alone; each restart: user, GPU, NVLink, NIC
+    assert order[:5] == ["user", "user", "gpu", "nvlink", "nic"], order
+    assert order[-2:] == ["user", "gpu"], order
+
+    monkeypatch.delenv("LOCAL_RANK")
+    assert inprocess.Wrapper(**fast).restart_health_check is None

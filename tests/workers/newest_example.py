@@ -135,9 +135,7 @@ def basic_main(call_wrapper: inprocess.CallWrapper | None = None):
 # ------------------------------------------------------------------ advanced
 
 
-def train(
-    base_store, model, opt, timeout, args, call_wrapper: inprocess.CallWrapper | None = None
-):
+def train(base_store, model, opt, timeout, args, call_wrapper: inprocess.CallWrapper | None = None):
     note_restart()
     rank = int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
