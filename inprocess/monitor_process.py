@@ -339,7 +339,9 @@ class _Guardian:
             )
         else:
             reason = "process died"
-        log.warning("rank %s: %s", self.config.identity, reason)
+        log.warning(
+            "rank %s: %s, target_pid=%d", self.config.identity, reason, self.config.parent_pid
+        )
         try:
             self.store.mark_terminated(self.config.identity, reason)
         except Exception as ex:
@@ -356,7 +358,7 @@ class _Guardian:
                 return
             log.warning(
                 "rank %s made no progress in the wrapped function for %.2fs (restarts do "
-                "not reset this clock): terminating process %d",
+                "not reset this clock): terminating it, target_pid=%d",
                 self.config.identity,
                 stalled,
                 pid,
@@ -368,7 +370,7 @@ class _Guardian:
             and now - self.kill_started >= self.config.termination_grace_time
         ):
             self.kill_escalated = True
-            log.warning("process %d still alive after the grace time: killing it", pid)
+            log.warning("target_pid=%d still alive after the grace time: killing it", pid)
             _send(pid, signal.SIGCONT, signal.SIGTERM, signal.SIGKILL)
 
     def watch_peers(self, now: float) -> None:
@@ -478,6 +480,6 @@ def run(config: MonitorConfig, fds: _Fds) -> int:
         return 1
     os.write(fds.ready, _READY)
     os.close(fds.ready)
-    log.info("monitoring rank %s (pid %d)", config.identity, config.parent_pid)
+    log.info("monitoring rank %s, target_pid=%d", config.identity, config.parent_pid)
     guardian.run()
     return 0

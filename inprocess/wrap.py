@@ -249,6 +249,19 @@ class Wrapper:
         return wrapped
 
 
+class _HangProtectionOff:
+    """What ``disable_hang_protection()`` returns: leaving it as a block turns it on again."""
+
+    def __init__(self, call: CallWrapper) -> None:
+        self._call = call
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        self._call.enable_hang_protection()
+
+
 # --------------------------------------------------------------------------- CallWrapper injection
 
 _ANNOTATION_PATTERNS = [
@@ -379,15 +392,19 @@ class CallWrapper:
         if self._watchdog is not None:
             self._watchdog.ping()
 
-    def disable_hang_protection(self) -> None:
+    def disable_hang_protection(self) -> _HangProtectionOff:
         """Turns the soft and hard timeouts off, e.g. around a long checkpoint.
 
         Faults are still detected and still restart the function (a peer's
         fault, an exception here, a dead rank); only "no progress" is not a
         fault until :meth:`enable_hang_protection` (or the next iteration).
+        The result is also a context manager (the newest generation's form,
+        ``with call_wrapper.disable_hang_protection(): ...``) that turns them
+        on again when the block ends.
         """
         if self._watchdog is not None:
             self._watchdog.set_hang_protection(False)
+        return _HangProtectionOff(self)
 
     def enable_hang_protection(self) -> None:
         """Turns the soft and hard timeouts on again; progress counts from now."""

@@ -337,3 +337,139 @@ def test_records_and_report_show_the_restarter_states_of_each_restart(
         "state": "aborted",
         "stage": None,
     }
+
+
+# ------------------------------------------------------------- the rest of its surface
+
+
+class Collect:
+    def __init__(self):
+        self.tstamps = []
+
+    def send_timestamp(self, timestamp):
+        self.tstamps.append(timestamp)
+
+
+def wait_for(predicate, timeout=10.0):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.002)
+
+
+@pytest.mark.timeout(60)
+def test_progress_watchdog_with_a_connection_pauses_resumes_and_shuts_down():
+    import time
+
+    from inprocess.progress_watchdog import ProgressWatchdog, Timestamp
+
+    collect = Collect()
+    start = time.monotonic()
+    watchdog = inprocess.progress_watchdog.ProgressWatchdog(0, collect, 2 * ms)
+    assert isinstance(watchdog, inprocess.progress_watchdog.ConnectionProgressWatchdog)
+    assert not isinstance(watchdog, ProgressWatchdog)  # the Wrapper's own stays apart
+    watchdog.start()
+    wait_for(lambda: len(collect.tstamps) > 5)
+    assert all(isinstance(t, Timestamp) and t.manual is None for t in collect.tstamps)
+    assert all(t.auto > start for t in collect.tstamps)
+    autos = [t.auto for t in collect.tstamps]
+    assert autos == sorted(autos)
+
+    watchdog.pause_and_synchronize()
+    paused = len(collect.tstamps)
+    time.sleep(0.05)
+    assert len(collect.tstamps) == paused  # nothing sent while paused
+    watchdog.resume()
+    watchdog.resume()  # a second resume is harmless
+    watchdog.ping()
+    wait_for(lambda: len(collect.tstamps) > paused + 2)
+    assert collect.tstamps[-1].manual is not None
+
+    watchdog.shutdown()
+    assert not watchdog.is_alive()
+    ended = len(collect.tstamps)
+    watchdog.shutdown()  # idempotent: no second last heartbeat
+    time.sleep(0.02)
+    assert len(collect.tstamps) == ended
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        watchdog.resume()
+    with pytest.raises(TypeError, match="send_timestamp"):
+        inprocess.progress_watchdog.ConnectionProgressWatchdog(0, object(), 2 * ms)
+
+
+def test_tree_layers_can_be_modified_after_construction():
+    from inprocess.rank_assignment import Layer, LayerFlag, Tree
+
+    layers = [Layer(min_ranks=1, max_ranks=4, flag=LayerFlag.RESERVE), Layer(key_or_fn="node")]
+    tree = Tree(layers)
+    tree.layers[0].max_ranks = 2
+    tree.layers[1].key_or_fn = lambda state: str(state.rank // 2)
+    assert tree.layers[0].max_ranks == 2 and layers[0] is tree.layers[0]
+    with pytest.raises(ValueError, match="min_ranks must be >= 1"):
+        tree.layers[0].min_ranks = 0
+    assert tree.layers[0].min_ranks == 1  # a rejected value leaves the layer as it was
+    with pytest.raises(TypeError, match="flag"):
+        tree.layers[1].flag = "reserve"
+
+
+@pytest.mark.timeout(120)
+def test_restart_abort_from_a_frozen_state_initialize_ends_the_wrapper(single_rank):
+    calls = []
+
+    class Stop(inprocess.initialize.Initialize):
+        def __call__(self, state: FrozenState) -> FrozenState:
+            calls.append(state.iteration)
+            if state.iteration == 1:
+                raise inprocess.exception.RestartAbort("enough")
+            return state
+
+    @inprocess.Wrapper(initialize=Stop(), **FAST)
+    def train():
+        raise ValueError("fault")
+
+    with pytest.raises(inprocess.exception.RestartAbort, match="enough"):
+        train()
+    assert calls == [0, 1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_disable_hang_protection_is_a_context_manager_that_does_not_hang(single_rank):
+    import time
+
+    s = datetime.timedelta(seconds=1)
+    calls = []
+
+    @inprocess.Wrapper(soft_timeout=1 * s, hard_timeout=1.5 * s, **FAST)
+    def train(call_wrapper: inprocess.CallWrapper | None = None):
+        calls.append(call_wrapper.iteration)
+        if call_wrapper.iteration == 0:
+            with call_wrapper.disable_hang_protection():
+                time.sleep(2.0)  # past both timeouts: neither restarts nor kills
+            with call_wrapper.disable_hang_protection():
+                raise ValueError("a fault inside still restarts")
+        if call_wrapper.iteration == 1:
+            with call_wrapper.disable_hang_protection():
+                pass
+            time.sleep(1.4)  # protection is back on: the soft timeout restarts it
+        return call_wrapper.iteration
+
+    start = time.monotonic()
+    assert train() == 2
+    assert calls == [0, 1, 2]
+    assert time.monotonic() - start < 30
+
+
+@pytest.mark.timeout(120)
+def test_monitor_process_names_the_watched_pid_target_pid(single_rank, tmp_path):
+    logfile = tmp_path / "monitor_{rank}.log"
+
+    @inprocess.Wrapper(monitor_process_logfile=str(logfile), **FAST)
+    def train():
+        return os.getpid()
+
+    pid = train()
+    text = (tmp_path / "monitor_0.log").read_text()
+    assert f"target_pid={pid}" in text, text
