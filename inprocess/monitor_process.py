@@ -339,9 +339,7 @@ class _Guardian:
             )
         else:
             reason = "process died"
-        log.warning(
-            "rank %s: %s, target_pid=%d", self.config.identity, reason, self.config.parent_pid
-        )
+        log.warning("rank %s: %s", self.config.identity, reason)
         try:
             self.store.mark_terminated(self.config.identity, reason)
         except Exception as ex:
@@ -358,7 +356,7 @@ class _Guardian:
                 return
             log.warning(
                 "rank %s made no progress in the wrapped function for %.2fs (restarts do "
-                "not reset this clock): terminating it, target_pid=%d",
+                "not reset this clock): terminating process %d",
                 self.config.identity,
                 stalled,
                 pid,
@@ -370,7 +368,7 @@ class _Guardian:
             and now - self.kill_started >= self.config.termination_grace_time
         ):
             self.kill_escalated = True
-            log.warning("target_pid=%d still alive after the grace time: killing it", pid)
+            log.warning("process %d still alive after the grace time: killing it", pid)
             _send(pid, signal.SIGCONT, signal.SIGTERM, signal.SIGKILL)
 
     def watch_peers(self, now: float) -> None:
@@ -428,7 +426,7 @@ def _configure_logging(config: MonitorConfig) -> None:
         handler.setLevel(logging.WARNING)
     handler.setFormatter(
         logging.Formatter(
-            f"%(asctime)s monitor[{config.initial_rank}] training_pid={config.parent_pid} "
+            f"%(asctime)s monitor[{config.initial_rank}] target_pid={config.parent_pid} "
             "%(levelname)s %(name)s: %(message)s"
         )
     )
@@ -480,6 +478,6 @@ def run(config: MonitorConfig, fds: _Fds) -> int:
         return 1
     os.write(fds.ready, _READY)
     os.close(fds.ready)
-    log.info("monitoring rank %s, target_pid=%d", config.identity, config.parent_pid)
+    log.info("monitoring rank %s (pid %d)", config.identity, config.parent_pid)
     guardian.run()
     return 0
