@@ -42,6 +42,16 @@ def ib(tmp_path, counts):
         (d / "link_downed").write_text(f"{n}\n")
 
 
+@pytest.fixture(autouse=True)
+def fresh_nvml_probe():
+    """Each test brings its own (fake or absent) NVML: forget the process's answer."""
+    from inprocess.health_check import restart
+
+    restart._nvml_absent.cache_clear()
+    yield
+    restart._nvml_absent.cache_clear()
+
+
 @pytest.fixture
 def state():
     return State(rank=0, world_size=1)
@@ -88,7 +98,11 @@ def test_absent_nvml_or_device_passes_with_a_clear_message(monkeypatch, tmp_path
     nvl(state)
     said = [r for r in caplog.records if "ChainedNVLHealthCheck checked nothing" in r.message]
     assert len(said) == 1, "said once, not at every restart"
+    from inprocess.health_check import restart
+
     fake_nvml(monkeypatch, count=1)
+    assert ChainedNVLHealthCheck(0)(state) is state  # the process's answer is kept
+    restart._nvml_absent.cache_clear()  # (a new process would ask again)
     caplog.clear()
     assert ChainedNVLHealthCheck(3)(state) is state
     assert "no GPU 3" in caplog.text

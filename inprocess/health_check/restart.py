@@ -22,6 +22,7 @@ Each takes either generation's arguments (``(state, exception)`` or
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,29 @@ log = logging.getLogger(__name__)
 
 #: ``sysfs`` directory of the InfiniBand devices
 IB_SYSFS = "/sys/class/infiniband"
+
+
+@functools.lru_cache(maxsize=1)
+def _nvml_absent() -> str | None:
+    """Why NVML cannot be used in this process, or None; asked once per process.
+
+    NVML that is absent when a process starts does not appear later, and
+    asking again costs a failed library load at every restart, so the answer
+    is kept (a restart's latency is the figure that matters here).
+    """
+    try:
+        import pynvml
+    except ImportError as ex:
+        return f"pynvml cannot be imported ({ex})"
+    try:
+        pynvml.nvmlInit()
+    except Exception as ex:
+        return f"nvmlInit failed: {_describe(ex)}"
+    try:
+        pynvml.nvmlShutdown()
+    except Exception as ex:
+        log.debug("nvmlShutdown failed: %s", _describe(ex))
+    return None
 
 
 def _index(device_index: int | None) -> int:
@@ -86,7 +110,11 @@ class ChainedGPUHealthCheck(_Chained):
         self._nvml = NVMLHealthCheck(device_index=device_index, on_missing="skip")
 
     def check(self) -> None:
+        absent = _nvml_absent()
+        if absent is not None:
+            return self._skipped(absent)
         self._nvml(None)
+        return None
 
 
 class ChainedNVLHealthCheck(_Chained):
@@ -96,10 +124,11 @@ class ChainedNVLHealthCheck(_Chained):
     MAX_LINKS = 18
 
     def check(self) -> None:
-        try:
-            import pynvml
-        except ImportError as ex:
-            return self._skipped(f"pynvml cannot be imported ({ex})")
+        absent = _nvml_absent()
+        if absent is not None:
+            return self._skipped(absent)
+        import pynvml
+
         try:
             pynvml.nvmlInit()
         except Exception as ex:
@@ -159,9 +188,10 @@ class ChainedNicHealthCheck(_Chained):
         return found
 
     def check(self) -> None:
-        now = self._counters()
-        if not now and not self._baseline:
+        if not self._baseline:
+            # No port when the check was built: none appears during a job.
             return self._skipped(f"no InfiniBand port counters under {self.sysfs_root}")
+        now = self._counters()
         grew = [
             f"{port}: link down {now[port] - self._baseline.get(port, 0)} time(s)"
             for port in sorted(now)
