@@ -25,7 +25,9 @@ the job). Each callback takes either generation's state (a ``State`` or a
 ``FrozenState``) and returns it, so it composes with :class:`inprocess.Compose`
 and with the other callbacks of either generation. The lines go to standard
 error directly, not through :mod:`logging`, so that the outer launcher sees them
-whatever the application's logging configuration is.
+whatever the application's logging configuration is; a callback given a
+:class:`NestedRestarterLogger` (``logger=``) sends them through :mod:`logging`
+instead.
 
 Under ``inprocess-run`` (the records file named by
 :data:`inprocess.records.RECORDS_ENV`), each line is also appended there as a
@@ -82,6 +84,17 @@ def format_line(active_rank: Any, state: str, stage: str | None = None) -> str:
     return msg if stage is None else f"{msg} stage={stage}"
 
 
+class NestedRestarterLogger:
+    """Sends the lines through :mod:`logging` (logger ``InprocessRestarter``), for code
+    that captures them there; it adds no handler: whoever uses it configures one."""
+
+    def __init__(self, name: str = LOGGER_NAME) -> None:
+        self.restarter_logger = logging.getLogger(name)
+
+    def log_for_restarter(self, message: str) -> None:
+        self.restarter_logger.info(message)
+
+
 class NestedRestarterCallback:
     """Writes one restarter state line on the rank launched as ``special_rank``.
 
@@ -101,11 +114,25 @@ class NestedRestarterCallback:
     # Read by inprocess.generation: takes the state of either generation.
     _takes_either_generation = True
 
-    def __init__(self, special_rank: int = 0, stream: IO[str] | None = None) -> None:
+    def __init__(
+        self,
+        special_rank: int = 0,
+        stream: IO[str] | None = None,
+        *,
+        restarter_state: str | None = None,
+        restarter_stage: str | None = None,
+        logger: NestedRestarterLogger | None = None,
+    ) -> None:
         if not isinstance(special_rank, int) or isinstance(special_rank, bool) or special_rank < 0:
             raise ValueError(f"special_rank must be an int >= 0, got {special_rank!r}")
         self.special_rank = special_rank
         self.stream = stream
+        if restarter_state is not None:
+            self.restarter_state = restarter_state
+        if restarter_stage is not None:
+            self.restarter_stage = restarter_stage
+        #: when set, the lines go through it (``logging``) instead of ``stream``
+        self.logger = logger
         self._last: tuple[Any, ...] | None = None
         self._lock = threading.Lock()
 
@@ -124,15 +151,20 @@ class NestedRestarterCallback:
             if key == self._last:
                 return
             self._last = key
+        message = format_line(getattr(state, "active_rank", None), restarter_state, stage)
+        if self.logger is not None:
+            self.logger.log_for_restarter(message)
+            self._record(state, restarter_state, stage)
+            return
         now = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S,%f")[:-3]
-        line = (
-            f"[{now}] [INFO] [{LOGGER_NAME}@{socket.gethostname()}] "
-            f"{format_line(getattr(state, 'active_rank', None), restarter_state, stage)}\n"
-        )
+        line = f"[{now}] [INFO] [{LOGGER_NAME}@{socket.gethostname()}] {message}\n"
         stream = self.stream if self.stream is not None else sys.stderr
         with _write_lock:
             stream.write(line)
             stream.flush()
+        self._record(state, restarter_state, stage)
+
+    def _record(self, state: Any, restarter_state: str, stage: str | None) -> None:
         path = os.environ.get(RECORDS_ENV)
         if path:
             record = {
@@ -160,8 +192,14 @@ class NestedRestarterHandlingCompleted(NestedRestarterCallback, Initialize):
 
     restarter_state = "initialize"
 
-    def __init__(self, special_rank: int = 0, stream: IO[str] | None = None) -> None:
-        super().__init__(special_rank, stream)
+    def __init__(
+        self,
+        special_rank: int = 0,
+        stream: IO[str] | None = None,
+        *,
+        logger: NestedRestarterLogger | None = None,
+    ) -> None:
+        super().__init__(special_rank, stream, logger=logger)
         self._called_once = False
 
     def _transition(self) -> tuple[str, str | None]:
@@ -202,6 +240,7 @@ __all__ = [
     "NestedRestarterFinalized",
     "NestedRestarterHandlingCompleted",
     "NestedRestarterHandlingStarting",
+    "NestedRestarterLogger",
     "format_line",
     "parse_line",
 ]

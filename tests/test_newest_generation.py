@@ -473,3 +473,45 @@ def test_monitor_process_names_the_watched_pid_target_pid(single_rank, tmp_path)
     pid = train()
     text = (tmp_path / "monitor_0.log").read_text()
     assert f"target_pid={pid}" in text, text
+
+
+def test_lines_through_a_restarter_logger_as_the_newest_tests_capture_them():
+    import logging
+
+    from inprocess.nested_restarter import NestedRestarterCallback, NestedRestarterLogger
+
+    state = State(
+        rank=0,
+        world_size=2,
+        active_rank=0,
+        active_world_size=2,
+        initial_rank=0,
+        initial_world_size=2,
+    ).freeze()
+    capture = io.StringIO()
+    handler = logging.StreamHandler(capture)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger = NestedRestarterLogger()
+    logger.restarter_logger.handlers = [handler]
+    logger.restarter_logger.setLevel(logging.DEBUG)
+    try:
+        NestedRestarterCallback(restarter_state="initialize", logger=logger, special_rank=0)(state)
+        NestedRestarterCallback(
+            restarter_state="handling", restarter_stage="starting", logger=logger
+        )(state)
+        completed = NestedRestarterHandlingCompleted(special_rank=0)
+        completed.logger = logger
+        completed(state)
+        completed(state)  # the second call: the restart's initialize
+    finally:
+        logger.restarter_logger.handlers = []
+        logger.restarter_logger.setLevel(logging.NOTSET)
+    found = re.findall(
+        r"^.*NestedRestarter.*state=(\w+)(?:\s+stage=(\w+))?.*$", capture.getvalue(), re.M
+    )
+    assert found == [
+        ("initialize", ""),
+        ("handling", "starting"),
+        ("initialize", ""),
+        ("handling", "completed"),
+    ]
