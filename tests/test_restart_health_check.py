@@ -112,25 +112,53 @@ def test_absent_nvml_or_device_passes_with_a_clear_message(monkeypatch, tmp_path
 
 
 def test_restart_checks_run_in_the_documented_order(monkeypatch, tmp_path, state):
+    from inprocess.health_check import restart
+
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     assert restart_health_checks() is None
     monkeypatch.setenv("LOCAL_RANK", "0")
-    chained = restart_health_checks()
-    assert isinstance(chained, inprocess.health_check.HealthCheck)
     order = []
+
+    class User(inprocess.health_check.HealthCheck):
+        def __init__(self, name):
+            self.name = name
+
+        def __call__(self, state):
+            order.append(self.name)
+            return state
+
     for cls in (ChainedGPUHealthCheck, ChainedNVLHealthCheck, ChainedNicHealthCheck):
         monkeypatch.setattr(cls, "check", lambda self, c=cls: order.append(c.__name__))
+    chained = restart_health_checks(inprocess.Compose(User("user1"), User("user2")), nic=True)
+    assert isinstance(chained, inprocess.health_check.HealthCheck)
+    assert [type(c).__name__ for c in chained.instances] == [
+        "User",
+        "User",
+        "ChainedNicHealthCheck",
+        "ChainedGPUHealthCheck",
+        "ChainedNVLHealthCheck",
+    ]
     assert chained(state) is state
-    assert order == ["ChainedGPUHealthCheck", "ChainedNVLHealthCheck", "ChainedNicHealthCheck"]
-    assert generation_of("health_check", chained) is None  # fits either generation
-    assert len(restart_health_checks(0, nic=False)._fns) == 2
+    assert order == [
+        "ChainedNVLHealthCheck",
+        "ChainedGPUHealthCheck",
+        "ChainedNicHealthCheck",
+        "user2",
+        "user1",
+    ]
+    assert generation_of("health_check", restart_health_checks()) is None  # fits either
+    # The NIC check only where the node has InfiniBand counters (none here).
+    monkeypatch.setattr(restart, "IB_SYSFS", str(tmp_path / "none"))
+    monkeypatch.setattr(ChainedNicHealthCheck.__init__, "__defaults__", (None, str(tmp_path)))
+    assert len(restart_health_checks().instances) == 2
+    assert len(restart_health_checks(nic=False).instances) == 2
     for bad in (-1, "0", True):
         with pytest.raises(ValueError, match="device_index"):
-            restart_health_checks(bad)
+            restart_health_checks(device_index=bad)
 
 
 @pytest.mark.timeout(120)
-def test_wrapper_runs_them_after_the_users_check_and_a_gpu_failure_ends_the_rank(
+def test_wrapper_runs_them_before_the_users_check_and_a_gpu_failure_ends_the_rank(
     single_rank, monkeypatch
 ):
     import datetime
@@ -151,7 +179,7 @@ def test_wrapper_runs_them_after_the_users_check_and_a_gpu_failure_ends_the_rank
 
     def gpu(self):
         order.append("gpu")
-        if len(order) > 4:
+        if order.count("gpu") > 1:
             raise HealthCheckError("GPU 0 is unhealthy: fake")
 
     monkeypatch.setattr(ChainedGPUHealthCheck, "check", gpu)
@@ -167,9 +195,13 @@ def test_wrapper_runs_them_after_the_users_check_and_a_gpu_failure_ends_the_rank
     with pytest.raises(HealthCheckError, match="GPU 0 is unhealthy") as info:
         wrapper(train)()
     assert isinstance(info.value.__cause__, ValueError)
-    # the first iteration's check is the user's alone; each restart: user, GPU, NVLink, NIC
-    assert order[:5] == ["user", "user", "gpu", "nvlink", "nic"], order
-    assert order[-2:] == ["user", "gpu"], order
+    # the first iteration's check is the user's alone; after a fault: NVLink, GPU,
+    # (NIC where the node has InfiniBand counters), then the user's
+    assert order[0] == "user", order
+    restart_checks = [x for x in order[1:] if x != "nic"][:3]
+    assert restart_checks == ["nvlink", "gpu", "user"], order
+    assert order[-2:] == ["nvlink", "gpu"], order
+    assert type(wrapper.restart_health_check.instances[0]).__name__ == "UserCheck"
 
     monkeypatch.delenv("LOCAL_RANK")
     assert inprocess.Wrapper(**fast).restart_health_check is None

@@ -14,7 +14,8 @@ Each check looks at the devices of this rank only (``device_index``, default
 
 Where NVML, the GPU or the NIC counters are absent (a CPU machine), a check
 passes and says once, at INFO, why it checked nothing.
-:func:`restart_health_checks` chains the three in that order (GPU, NVLink, NIC).
+:func:`restart_health_checks` chains them with the user's check: NVLink, GPU,
+NIC (where the node has InfiniBand counters), then the user's.
 
 Each takes either generation's arguments (``(state, exception)`` or
 ``(frozen_state)``) and returns them unchanged.
@@ -187,6 +188,10 @@ class ChainedNicHealthCheck(_Chained):
                 log.debug("cannot read %s: %s", counter, ex)
         return found
 
+    def has_ports(self) -> bool:
+        """Whether the node had InfiniBand port counters when the check was built."""
+        return bool(self._baseline)
+
     def check(self) -> None:
         if not self._baseline:
             # No port when the check was built: none appears during a job.
@@ -203,25 +208,35 @@ class ChainedNicHealthCheck(_Chained):
         return None
 
 
-def restart_health_checks(device_index: int | None = None, nic: bool = True) -> Compose | None:
-    """GPU, then NVLink, then (``nic``) NIC checks of the rank's device, chained.
+def restart_health_checks(
+    user: Any = None,
+    device_index: int | None = None,
+    nic: bool | None = None,
+) -> Compose | None:
+    """The restart health check of a rank: its device checks, then ``user``'s.
 
-    ``device_index`` defaults to ``LOCAL_RANK``; without either, ``None`` (no
-    device to check).
+    Runs ``ChainedNVLHealthCheck``, ``ChainedGPUHealthCheck``, then (``nic``)
+    ``ChainedNicHealthCheck``, then the user's check(s) (a ``Compose`` is
+    flattened): the device checks first, so that a user's check that uses the
+    device meets a device already known to be usable. ``nic=None`` includes the
+    NIC check where the node has InfiniBand port counters. ``device_index``
+    defaults to ``LOCAL_RANK``; without either, ``None`` (no device to check).
     """
     _check_index(device_index)
     if device_index is None:
         device_index = env_local_rank()
         if device_index is None:
             return None
-    checks: list[HealthCheck] = [
-        ChainedGPUHealthCheck(device_index),
-        ChainedNVLHealthCheck(device_index),
-    ]
-    if nic:
-        checks.append(ChainedNicHealthCheck(device_index))
-    # Compose runs the last listed first: GPU first.
-    return Compose(*reversed(checks))
+    checks: list[Any] = []
+    if user is not None:
+        checks += user.instances if isinstance(user, Compose) else [user]
+    nic_check = ChainedNicHealthCheck(device_index=device_index) if nic is not False else None
+    if nic_check is not None and (nic or nic_check.has_ports()):
+        checks.append(nic_check)
+    checks.append(ChainedGPUHealthCheck(device_index=device_index))
+    checks.append(ChainedNVLHealthCheck(device_index=device_index))
+    # Compose runs the last listed first: NVLink, GPU, NIC, then the user's.
+    return Compose(*checks)
 
 
 __all__ = [
