@@ -427,6 +427,7 @@ def _configure_logging(config: MonitorConfig) -> None:
     handler.setFormatter(
         logging.Formatter(
             f"%(asctime)s monitor[{config.initial_rank}] target_pid={config.parent_pid} "
+            f"training_pid={config.parent_pid} "
             "%(levelname)s %(name)s: %(message)s"
         )
     )
