@@ -515,3 +515,40 @@ def test_lines_through_a_restarter_logger_as_the_newest_tests_capture_them():
         ("initialize", ""),
         ("handling", "completed"),
     ]
+
+
+@pytest.mark.timeout(120)
+def test_wrapper_logging_as_the_newest_logging_tests_expect(single_rank):
+    import logging
+
+    root = logging.getLogger()
+    saved = root.level, root.handlers[:]
+    for handler in saved[1]:
+        root.removeHandler(handler)
+
+    @inprocess.Wrapper(**FAST)
+    def fn():
+        return
+
+    try:
+        with pytest.warns(UserWarning):  # nothing configured: the logs are off
+            fn()
+        assert logging.getLogger("inprocess.wrap").handlers == []
+        first = io.StringIO()
+        logging.basicConfig(level=logging.INFO, stream=first, force=True)
+        fn()
+        second = io.StringIO()
+        logging.basicConfig(level=logging.INFO, stream=second, force=True)
+        fn()
+        # Each call logs the same at INFO (no leftovers of an earlier call).
+        assert len(first.getvalue()) == len(second.getvalue()) > 0
+        debug = io.StringIO()
+        logging.basicConfig(level=logging.DEBUG, stream=debug, force=True)
+        fn()
+        assert len(debug.getvalue()) > len(second.getvalue())
+    finally:
+        for handler in root.handlers[:]:
+            root.removeHandler(handler)
+        root.setLevel(saved[0])
+        for handler in saved[1]:
+            root.addHandler(handler)
