@@ -309,8 +309,18 @@ def format_summary(s: dict[str, Any]) -> str:
                 ", ".join(f"{k} {_seconds(v)}" for k, v in s["phases_median"].items()),
             )
         )
+    # The nested restarter's states per restart: one row per distinct sequence.
+    sequences: dict[str, list[int]] = {}
     for i, states in enumerate(s.get("restarter_states") or []):
-        rows.append((f"  restarter, restart {i + 1}", " -> ".join(states) or "-"))
+        sequences.setdefault(" -> ".join(states) or "-", []).append(i + 1)
+    total = len(s.get("restarter_states") or [])
+    for text, which in sequences.items():
+        where = (
+            f"{len(which)} of {total} restarts"
+            if len(which) > 3
+            else "restart" + ("s " if len(which) > 1 else " ") + ", ".join(map(str, which))
+        )
+        rows.append(("  restarter states", f"{text} ({where})"))
     faults = s["faults_by_kind"]
     rows.append(
         (

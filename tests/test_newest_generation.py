@@ -331,7 +331,13 @@ def test_records_and_report_show_the_restarter_states_of_each_restart(
     summary = report.summarize(records)
     assert summary["restarter_states"] == [["handling:starting", "handling:completed"]] * 2
     text = report.format_summary(summary)
-    assert "restarter, restart 2  handling:starting -> handling:completed" in text, text
+    assert re.search(
+        r"restarter states +handling:starting -> handling:completed \(restarts 1, 2\)", text
+    ), text
+    summary["restarter_states"] = [["handling:starting", "handling:completed"]] * 5 + [[]]
+    text = report.format_summary(summary)
+    assert "handling:starting -> handling:completed (5 of 6 restarts)" in text, text
+    assert re.search(r"restarter states +- \(restart 6\)", text), text
     assert parse_line("x active_rank=None [NestedRestarter] name=[InProcess] state=aborted") == {
         "active_rank": "None",
         "state": "aborted",
@@ -552,3 +558,49 @@ def test_wrapper_logging_as_the_newest_logging_tests_expect(single_rank):
         root.setLevel(saved[0])
         for handler in saved[1]:
             root.addHandler(handler)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_inprocess_run_reports_the_restarter_states_of_each_restart(tmp_path):
+    # The nested-restarter shape under inprocess-run: its report shows the
+    # in-process restarter's states for every restart.
+    state_dir = tmp_path / "state"
+    marker = uuid.uuid4().hex
+    env = dict(
+        os.environ,
+        RES_OPTIONS="timeout:1 attempts:1",
+        PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    )
+    env[MARKER] = marker
+    cmd = [sys.executable, "-m", "inprocess.failover.cli", "--nproc-per-node", "4"]
+    cmd += ["--state-dir", str(state_dir), "--standby", "0", "--quiet"]
+    cmd += [str(WORKERS / "newest_example.py"), "--shape", "advanced", "--nested-restarter"]
+    cmd += ["--seed", "3", "--fault-prob", "0.01", "--total-iterations", "80"]
+    cmd += ["--path", str(tmp_path)]
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    finally:
+        for p in job_processes(marker):
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    from inprocess import report
+
+    records = report.load([state_dir])
+    restarts = [r for r in records if r["type"] == "restart"]
+    assert restarts, "no fault was injected"
+    for r in restarts:
+        assert r["restarter"] == ["handling:starting", "handling:completed"], r
+    shown = subprocess.run(
+        [sys.executable, "-m", "inprocess.failover.cli", "report", str(state_dir)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert shown.returncode == 0, shown.stderr
+    n = len(restarts)
+    assert f"handling:starting -> handling:completed ({n} of {n} restarts)" in shown.stdout or (
+        n <= 3 and "handling:starting -> handling:completed (restart" in shown.stdout
+    ), shown.stdout
