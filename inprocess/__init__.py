@@ -13,7 +13,12 @@ from typing import TYPE_CHECKING, Any
 
 # Imported on first use (PEP 562), so that a process that needs only the job
 # layer (a controller, a Ray node agent) does not pay for importing torch.
-_LAZY_ATTRS = {"CallWrapper": ".wrap", "Compose": ".compose", "Wrapper": ".wrap"}
+_LAZY_ATTRS = {
+    "CallWrapper": ".wrap",
+    "Compose": ".compose",
+    "State": ".state",
+    "Wrapper": ".wrap",
+}
 _LAZY_MODULES = {
     "abort",
     "completion",
@@ -23,6 +28,8 @@ _LAZY_MODULES = {
     "health_check",
     "initialize",
     "monitor_thread",
+    "nested_restarter",
+    "progress_watchdog",
     "rank_assignment",
     "rank_filter",
     "snapshot",
@@ -42,6 +49,8 @@ if TYPE_CHECKING:
         health_check,
         initialize,
         monitor_thread,
+        nested_restarter,
+        progress_watchdog,
         rank_assignment,
         rank_filter,
         snapshot,
@@ -51,6 +60,7 @@ if TYPE_CHECKING:
         tools,
     )
     from .compose import Compose
+    from .state import State
     from .wrap import CallWrapper, Wrapper
 
 
@@ -71,6 +81,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "CallWrapper",
     "Compose",
+    "State",
     "Wrapper",
     "abort",
     "completion",
@@ -80,6 +91,8 @@ __all__ = [
     "health_check",
     "initialize",
     "monitor_thread",
+    "nested_restarter",
+    "progress_watchdog",
     "rank_assignment",
     "rank_filter",
     "snapshot",

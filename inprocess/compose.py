@@ -122,5 +122,13 @@ class Compose:
             offered = result if isinstance(result, tuple) else (result,)
         return result
 
+    @property
+    def instances(self) -> list[Callable[..., Any]]:
+        """The composed callables, nested compositions flattened, in the order given."""
+        found: list[Callable[..., Any]] = []
+        for fn in self._fns:
+            found += fn.instances if isinstance(fn, Compose) else [fn]
+        return found
+
     def __repr__(self) -> str:
         return f"Compose({', '.join(repr(f) for f in self._fns)})"

@@ -19,9 +19,9 @@ switch: how many positional arguments its ``__call__`` takes (``finalize``,
 the guide's, ``completion`` and ``terminate`` the newer generation's). A
 :class:`inprocess.Compose` has the shape of its members. Callbacks that take
 either shape (the built-in ones: ``ShiftRanks``, ``CudaHealthCheck``,
-``RetryController``, ...) follow the others; a Wrapper whose callbacks are all
-of that kind runs the guide's generation. Callbacks of both generations in one
-Wrapper are an error naming them.
+``RetryController``, the nested restarter's, ...) follow the others; a Wrapper
+whose callbacks are all of that kind runs the guide's generation. Callbacks of
+both generations in one Wrapper are an error naming them.
 """
 
 from __future__ import annotations
@@ -92,6 +92,9 @@ def generation_of(name: str, callback: Any) -> Generation | None:
     None: no callback, or one that takes either shape.
     """
     if callback is None:
+        return None
+    if getattr(callback, "_takes_either_generation", False):
+        # e.g. the nested restarter's callbacks: (state, ...) -> state, State or FrozenState
         return None
     if name in ("completion", "terminate"):
         return Generation.NEWER

@@ -426,7 +426,8 @@ def _configure_logging(config: MonitorConfig) -> None:
         handler.setLevel(logging.WARNING)
     handler.setFormatter(
         logging.Formatter(
-            f"%(asctime)s monitor[{config.initial_rank}] training_pid={config.parent_pid} "
+            f"%(asctime)s monitor[{config.initial_rank}] target_pid={config.parent_pid} "
+            f"training_pid={config.parent_pid} "
             "%(levelname)s %(name)s: %(message)s"
         )
     )

@@ -46,11 +46,14 @@ reads to enforce the hard timeout.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
+import datetime
 import logging
 import mmap
 import os
 import threading
 import time
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +164,14 @@ class ProgressWatchdog(threading.Thread):
     ``soft_timeout`` (None: forgive at once, as if every iteration were new)
     decides what an iteration must show before the carried stall is forgiven.
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # The newest generation's form, ProgressWatchdog(rank, connection, interval):
+        # a watchdog that sends Timestamps to the connection.
+        connection = args[1] if len(args) > 1 else kwargs.get("connection")
+        if cls is ProgressWatchdog and hasattr(connection, "send_timestamp"):
+            return ConnectionProgressWatchdog(*args, **kwargs)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -328,3 +339,90 @@ class ProgressWatchdog(threading.Thread):
             while not _pending_call_ran() and time.monotonic() < deadline:
                 time.sleep(0.001)
             self._call_pending = False
+
+
+# ------------------------------------------------------- the newest generation's interface
+
+
+@dataclasses.dataclass(frozen=True)
+class Timestamp:
+    """One heartbeat sent to a connection: ``CLOCK_MONOTONIC`` seconds of the last
+    automatic (``auto``) and manual (``manual``, None before the first ping) one."""
+
+    auto: float | None = None
+    manual: float | None = None
+
+
+class ConnectionProgressWatchdog(threading.Thread):
+    """A watchdog that sends :class:`Timestamp` heartbeats to ``connection.send_timestamp``.
+
+    The interface of the API's newest generation, for code that drives a
+    watchdog itself (``ProgressWatchdog(rank, connection, interval)``); the
+    Wrapper uses :class:`ProgressWatchdog` with a board. An automatic heartbeat
+    is sent every ``interval`` while the interpreter runs Python code (the
+    sending thread needs the GIL). Invariants, under ``_send_lock``:
+
+    * after :meth:`pause_and_synchronize` returns, nothing is sent until
+      :meth:`resume` (a send in progress finished before it returned);
+    * :meth:`shutdown` sends one last heartbeat, once; later calls do nothing,
+      and :meth:`resume` after it raises ``RuntimeError``.
+    """
+
+    def __init__(self, rank: int, connection: Any, interval: datetime.timedelta) -> None:
+        super().__init__(name="inprocess-progress-watchdog", daemon=True)
+        if not callable(getattr(connection, "send_timestamp", None)):
+            raise TypeError(
+                "ProgressWatchdog(connection=...) needs a send_timestamp method, "
+                f"got {connection!r}"
+            )
+        seconds = interval.total_seconds() if hasattr(interval, "total_seconds") else interval
+        if not isinstance(seconds, (int, float)) or seconds <= 0:
+            raise ValueError(f"ProgressWatchdog(interval=...) must be > 0, got {interval!r}")
+        self.rank = rank
+        self.connection = connection
+        self.interval = float(seconds)
+        self._manual: float | None = None
+        self._paused = False
+        self._stopped = False
+        self._wake = threading.Event()
+        self._send_lock = threading.Lock()
+
+    def _send(self) -> None:
+        self.connection.send_timestamp(Timestamp(auto=time.monotonic(), manual=self._manual))
+
+    def run(self) -> None:
+        while not self._wake.wait(self.interval):
+            with self._send_lock:
+                if self._paused or self._stopped:
+                    continue
+                try:
+                    self._send()
+                except Exception as ex:  # a broken connection must not kill the thread silently
+                    log.warning("progress watchdog of rank %s: send failed: %r", self.rank, ex)
+
+    def ping(self) -> None:
+        """Manual heartbeat, sent with the next automatic one."""
+        self._manual = time.monotonic()
+
+    def pause_and_synchronize(self) -> None:
+        """Stops the heartbeats; returns once none is being sent."""
+        with self._send_lock:
+            self._paused = True
+
+    def resume(self) -> None:
+        """Sends heartbeats again (a no-op when not paused)."""
+        with self._send_lock:
+            if self._stopped:
+                raise RuntimeError("ProgressWatchdog.resume() after shutdown()")
+            self._paused = False
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stops the thread and sends a last heartbeat; idempotent."""
+        with self._send_lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        self._wake.set()
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join(timeout)
+        self._send()

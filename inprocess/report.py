@@ -69,7 +69,37 @@ def load(paths: Iterable[str | os.PathLike[str]]) -> list[dict[str, Any]]:
             records += read_jsonl(f)
     records = [r for r in records if isinstance(r.get("time"), (int, float))]
     records.sort(key=lambda r: r["time"])
+    restarter_states(records)
     return records
+
+
+def restarter_states(records: Sequence[dict[str, Any]]) -> None:
+    """Gives each ``restart`` record a ``restarter`` key: the nested restarter's
+    transitions of that restart (``"handling:starting"``, ``"handling:completed"``),
+    from the ``restarter`` records (:mod:`inprocess.nested_restarter`).
+
+    A restart ending iteration ``i`` owns the ``handling`` records of iteration
+    ``i`` stage ``starting`` (the abort) and of iteration ``i + 1`` stage
+    ``completed`` (the next initialize) written between its
+    fault and its return to the function. Restarts without such records get none.
+    """
+    states = [r for r in records if r.get("type") == "restarter" and r.get("state") == "handling"]
+    if not states:
+        return
+    for r in records:
+        if r.get("type") != "restart" or not isinstance(r.get("iteration"), int):
+            continue
+        start = r["time"] if isinstance(r.get("time"), (int, float)) else None
+        end = r.get("back_at") if isinstance(r.get("back_at"), (int, float)) else None
+        owned = [
+            s
+            for s in states
+            if (s.get("iteration"), s.get("stage"))
+            in ((r["iteration"], "starting"), (r["iteration"] + 1, "completed"))
+            and (start is None or s["time"] >= start - 1.0)
+            and (end is None or s["time"] <= end + 1.0)
+        ]
+        r["restarter"] = [f"{s['state']}:{s['stage']}" for s in owned]
 
 
 # --------------------------------------------------------------------------- numbers
@@ -278,6 +308,7 @@ def summarize(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     for e in by_event["node_relaunch"]:
         nodes[e.get("node")]["node_relaunches"] += 1
 
+    restarter = [r["restarter"] for r in restarts if "restarter" in r]
     phases: dict[str, list[float]] = collections.defaultdict(list)
     for r in restarts:
         for name, value in (r.get("phases") or {}).items():
@@ -299,6 +330,8 @@ def summarize(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "max": max(latencies) if latencies else None,
         },
         "phases_median": {k: percentile(v, 50) for k, v in phases.items()},
+        # the nested restarter's states of each restart (when its callbacks ran)
+        "restarter_states": restarter,
         "worker_exits": len(failed_exits),
         "worker_relaunches": len(by_event["worker_relaunch"]),
         "node_relaunches": len(by_event["node_relaunch"]),
@@ -419,6 +452,18 @@ def format_summary(s: dict[str, Any]) -> str:
                 ", ".join(f"{k} {_seconds(v)}" for k, v in s["phases_median"].items()),
             )
         )
+    # The nested restarter's states per restart: one row per distinct sequence.
+    sequences: dict[str, list[int]] = {}
+    for i, states in enumerate(s.get("restarter_states") or []):
+        sequences.setdefault(" -> ".join(states) or "-", []).append(i + 1)
+    total = len(s.get("restarter_states") or [])
+    for text, which in sequences.items():
+        where = (
+            f"{len(which)} of {total} restarts"
+            if len(which) > 3
+            else "restart" + ("s " if len(which) > 1 else " ") + ", ".join(map(str, which))
+        )
+        rows.append(("  restarter states", f"{text} ({where})"))
     faults = s["faults_by_kind"]
     rows.append(
         (

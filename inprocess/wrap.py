@@ -54,11 +54,18 @@ from .abort.rendezvous import (
     release_held_servers,
 )
 from .completion import Completion
+from .compose import Compose
 from .config import DEFAULT_RANK_ASSIGNMENT, WrapperConfig
 from .exception import HealthCheckError, InternalError, StoreError
 from .exception import TimeoutError as RestartTimeoutError
 from .finalize import Finalize
 from .health_check import HealthCheck
+from .health_check.base import env_local_rank
+from .health_check.restart import (
+    ChainedGPUHealthCheck,
+    ChainedNicHealthCheck,
+    ChainedNVLHealthCheck,
+)
 from .initialize import Initialize
 from .monitor_process import MonitorConfig, MonitorProcess
 from .monitor_thread import InterruptSignal, MonitorThread, RankShouldRestart
@@ -228,6 +235,11 @@ class Wrapper:
         arguments = dict(locals())
         del arguments["self"]
         self.config = WrapperConfig.from_arguments(**arguments)
+        #: the check after a fault: NVLink, GPU (and NIC) checks of the rank's device
+        #: (``LOCAL_RANK``), then the user's ``health_check``; None without LOCAL_RANK
+        self.restart_health_check = (
+            _restart_health_check(self.config.health_check) if self.config.enabled else None
+        )
 
     def __getattr__(self, name: str) -> Any:
         """The settings as attributes: ``wrapper.soft_timeout`` is a ``datetime.timedelta``
@@ -252,6 +264,39 @@ class Wrapper:
             return call(fn, args, kwargs)
 
         return wrapped
+
+
+def _restart_health_check(user: Any) -> Compose | None:
+    """``Compose(user..., [nic], gpu, nvl)``: runs NVLink, GPU, NIC, then the user's check.
+
+    The NIC check is included where the node has InfiniBand port counters.
+    (The chained classes are looked up here, in this module, when a Wrapper is built.)
+    """
+    local_rank = env_local_rank()
+    if local_rank is None:
+        return None
+    checks: list[Any] = []
+    if user is not None:
+        checks += user.instances if isinstance(user, Compose) else [user]
+    nic = ChainedNicHealthCheck(device_index=local_rank)
+    if nic.has_ports():
+        checks.append(nic)
+    checks.append(ChainedGPUHealthCheck(device_index=local_rank))
+    checks.append(ChainedNVLHealthCheck(device_index=local_rank))
+    return Compose(*checks)
+
+
+class _HangProtectionOff:
+    """What ``disable_hang_protection()`` returns: leaving it as a block turns it on again."""
+
+    def __init__(self, call: CallWrapper) -> None:
+        self._call = call
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        self._call.enable_hang_protection()
 
 
 # --------------------------------------------------------------------------- CallWrapper injection
@@ -388,15 +433,19 @@ class CallWrapper:
         if self._watchdog is not None:
             self._watchdog.ping()
 
-    def disable_hang_protection(self) -> None:
+    def disable_hang_protection(self) -> _HangProtectionOff:
         """Turns the soft and hard timeouts off, e.g. around a long checkpoint.
 
         Faults are still detected and still restart the function (a peer's
         fault, an exception here, a dead rank); only "no progress" is not a
         fault until :meth:`enable_hang_protection` (or the next iteration).
+        The result is also a context manager (the newest generation's form,
+        ``with call_wrapper.disable_hang_protection(): ...``) that turns them
+        on again when the block ends.
         """
         if self._watchdog is not None:
             self._watchdog.set_hang_protection(False)
+        return _HangProtectionOff(self)
 
     def enable_hang_protection(self) -> None:
         """Turns the soft and hard timeouts on again; progress counts from now."""
@@ -1034,11 +1083,15 @@ class CallWrapper:
 
     def _health_check(self, ex: BaseException | None) -> None:
         """The check after a fault: failing it ends this rank with a ``HealthCheckError``
-        whose ``__cause__`` is ``ex``, the exception that ended the function here."""
-        if self._config.health_check is None:
+        whose ``__cause__`` is ``ex``, the exception that ended the function here.
+        With ``LOCAL_RANK`` set, the device checks run first (NVLink, GPU, NIC),
+        then the user's (``Wrapper.restart_health_check``)."""
+        check = self.wrapper.restart_health_check or self._config.health_check
+        if check is None:
             return
         try:
-            self.state = _returned_state(self._invoke("health_check", ex), self.state)
+            result = _gen.invoke(check, self._config.generation, self.state, ex)
+            self.state = _returned_state(result, self.state)
         except Exception as failure:
             self._terminate_self(f"health check failed: {failure!r}")
             if isinstance(failure, HealthCheckError) and failure.__cause__ in (None, ex):

@@ -211,7 +211,8 @@ def test_logging_as_a_library(single_rank, tmp_path):
         assert train() == 1
     assert not logging_off_warnings(caught)
     getattr(inprocess.wrap, "release_hosted_stores", lambda: None)()
-    assert f"training_pid={os.getpid()} " in (tmp_path / "monitor_0.log").read_text()
+    text = (tmp_path / "monitor_0.log").read_text()
+    assert f"target_pid={os.getpid()} training_pid={os.getpid()} " in text
 
 
 @pytest.mark.timeout(120)

@@ -7,18 +7,28 @@ preferably :class:`inprocess.exception.HealthCheckError`; the Wrapper then
 removes the rank from the job. Health checks chain with :class:`inprocess.Compose`.
 
 One module a check: :mod:`.base` (the base class), :mod:`.cuda`,
-:mod:`.nvml`, :mod:`.fault_counter`.
+:mod:`.nvml`, :mod:`.fault_counter`, :mod:`.restart` (GPU, NVLink, NIC).
 """
 
 from .base import HealthCheck
 from .cuda import CudaHealthCheck
 from .fault_counter import FaultCounter, FaultCounterExceeded
 from .nvml import NVMLHealthCheck
+from .restart import (
+    ChainedGPUHealthCheck,
+    ChainedNicHealthCheck,
+    ChainedNVLHealthCheck,
+    restart_health_checks,
+)
 
 __all__ = [
+    "ChainedGPUHealthCheck",
+    "ChainedNVLHealthCheck",
+    "ChainedNicHealthCheck",
     "CudaHealthCheck",
     "FaultCounter",
     "FaultCounterExceeded",
     "HealthCheck",
     "NVMLHealthCheck",
+    "restart_health_checks",
 ]

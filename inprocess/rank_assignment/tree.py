@@ -68,9 +68,17 @@ class LayerFlag(enum.Flag):
     BACKFILL = enum.auto()
 
 
-@dataclasses.dataclass(frozen=True)
+_MISSING = object()
+
+
+@dataclasses.dataclass
 class Layer:
     """One level of a :class:`Tree`: how ranks are grouped there and the group's limits.
+
+    A layer may be modified after construction, also once a :class:`Tree`
+    holds it (as the newest generation's scripts and tests do): every
+    assignment is checked as the constructor checks it, and the tree reads the
+    layer anew at its next rank assignment.
 
     Args:
         min_ranks: the fewest healthy (active or inactive) ranks a group of this
@@ -90,6 +98,19 @@ class Layer:
     max_ranks: int | None = None
     key_or_fn: str | Callable[[State], object] = ""
     flag: LayerFlag | None = None
+
+    def __setattr__(self, name: str, value: object) -> None:
+        old = self.__dict__.get(name, _MISSING)
+        object.__setattr__(self, name, value)
+        if "flag" in self.__dict__:  # constructed: check the whole layer again
+            try:
+                self.__post_init__()
+            except Exception:
+                if old is _MISSING:
+                    object.__delattr__(self, name)
+                else:
+                    object.__setattr__(self, name, old)
+                raise
 
     def __post_init__(self) -> None:
         if not isinstance(self.min_ranks, int) or isinstance(self.min_ranks, bool):

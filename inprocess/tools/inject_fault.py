@@ -52,6 +52,20 @@ class Fault(enum.Enum):
     TERM = enum.auto()
     #: SIGSTOP: the process is frozen
     STOP = enum.auto()
+    #: sets a flag that the workload raises on, at its next
+    #: :func:`maybe_raise_workload_exception` (a "gentle" fault, at a point the
+    #: workload chooses)
+    WORKLOAD_EXC = enum.auto()
+
+    # The names the newest generation's fault injector uses for the same faults
+    # (aliases: ``Fault.SIGKILL is Fault.KILL``), so that its scripts run unchanged.
+    GPU_ERROR = GPU
+    OS_ABORT = ABORT
+    LOCK_GIL = GIL
+    SIGINT = INT
+    SIGKILL = KILL
+    SIGTERM = TERM
+    SIGSTOP = STOP
 
 
 GPU_FAULTS = frozenset({Fault.GPU, Fault.GPU_SLEEP})
@@ -80,6 +94,22 @@ class FaultInjector(threading.Timer):
         _inject(self.fault, self.main_thread_id)
 
 
+# Set by a WORKLOAD_EXC fault, cleared by the workload when it raises.
+_workload_raise = threading.Event()
+
+
+def maybe_raise_workload_exception() -> None:
+    """Raises :class:`InjectedFault` once if a ``WORKLOAD_EXC`` fault fired since the last call."""
+    if _workload_raise.is_set():
+        _workload_raise.clear()
+        raise InjectedFault("injected workload exception")
+
+
+def clear_workload_exception() -> None:
+    """Calls off a ``WORKLOAD_EXC`` fault that fired and was not raised yet."""
+    _workload_raise.clear()
+
+
 def _raise_injected(signum: int, frame: object) -> None:
     raise InjectedFault(f"injected by signal {signum}")
 
@@ -106,6 +136,8 @@ def _inject(fault: Fault, main_thread_id: int | None) -> None:
         os.kill(pid, signal.SIGTERM)
     elif fault == Fault.STOP:
         os.kill(pid, signal.SIGSTOP)
+    elif fault == Fault.WORKLOAD_EXC:
+        _workload_raise.set()
     elif fault == Fault.GPU:
         import torch
 

@@ -1,0 +1,207 @@
+"""Restart health checks of the rank's GPU, NVLink and NIC, with a fake NVML on CPU (issue 22)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import pytest
+from test_health_check import FakeNVMLError, make_fake_pynvml
+
+import inprocess
+from inprocess.exception import HealthCheckError
+from inprocess.generation import generation_of
+from inprocess.health_check import (
+    ChainedGPUHealthCheck,
+    ChainedNicHealthCheck,
+    ChainedNVLHealthCheck,
+    restart_health_checks,
+)
+from inprocess.state import State
+
+
+def fake_nvml(monkeypatch, links=(1, 1), **kw):
+    nvml = make_fake_pynvml(**kw)
+    nvml.NVML_NVLINK_MAX_LINKS = 4
+
+    def nvmlDeviceGetNvLinkState(handle, link):
+        nvml.calls.append(("nvlink", handle, link))
+        if link >= len(links):
+            raise FakeNVMLError(nvml.NVML_ERROR_NOT_SUPPORTED)
+        return links[link]
+
+    nvml.nvmlDeviceGetNvLinkState = nvmlDeviceGetNvLinkState
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    return nvml
+
+
+def ib(tmp_path, counts):
+    for (dev, port), n in counts.items():
+        d = tmp_path / dev / "ports" / str(port) / "counters"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "link_downed").write_text(f"{n}\n")
+
+
+@pytest.fixture(autouse=True)
+def fresh_nvml_probe():
+    """Each test brings its own (fake or absent) NVML: forget the process's answer."""
+    from inprocess.health_check import restart
+
+    restart._nvml_absent.cache_clear()
+    yield
+    restart._nvml_absent.cache_clear()
+
+
+@pytest.fixture
+def state():
+    return State(rank=0, world_size=1)
+
+
+def test_gpu_failure_is_a_fault_of_the_rank(monkeypatch, state):
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    fake_nvml(monkeypatch, pending_pages=1)
+    with pytest.raises(HealthCheckError, match="GPU 1 is unhealthy"):
+        ChainedGPUHealthCheck()(state)
+    fake_nvml(monkeypatch)
+    assert ChainedGPUHealthCheck()(state) is state
+    assert ChainedGPUHealthCheck()(state, None) == (state, None)  # the guide's shape
+    frozen = state.freeze()
+    assert ChainedGPUHealthCheck()(frozen) is frozen  # the newer one's
+
+
+def test_nvlink_failure_is_logged_and_ignored(monkeypatch, state, caplog):
+    nvml = fake_nvml(monkeypatch, links=(1, 0))
+    caplog.set_level(logging.INFO, "inprocess.health_check.restart")
+    assert ChainedNVLHealthCheck(device_index=0)(state) is state
+    assert "NVLink of GPU 0 degraded (ignored): link 1 inactive" in caplog.text
+    assert [c[2] for c in nvml.calls if c[0] == "nvlink"] == [0, 1, 2, 3]
+    assert ("shutdown",) in nvml.calls
+
+
+def test_nic_link_down_is_a_fault_of_the_rank(tmp_path, state):
+    ib(tmp_path, {("mlx5_0", 1): 3, ("mlx5_1", 1): 0})
+    check = ChainedNicHealthCheck(device_index=0, sysfs_root=str(tmp_path))
+    assert check(state) is state
+    ib(tmp_path, {("mlx5_1", 1): 2})
+    with pytest.raises(HealthCheckError, match="mlx5_1 port 1: link down 2 time"):
+        check(state)
+    assert check(state) is state  # the new count is the baseline
+
+
+def test_absent_nvml_or_device_passes_with_a_clear_message(monkeypatch, tmp_path, state, caplog):
+    caplog.set_level(logging.INFO, "inprocess.health_check")
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    assert ChainedGPUHealthCheck(0)(state) is state
+    assert "pynvml cannot be imported" in caplog.text
+    nvl = ChainedNVLHealthCheck(0)
+    nvl(state)
+    nvl(state)
+    said = [r for r in caplog.records if "ChainedNVLHealthCheck checked nothing" in r.message]
+    assert len(said) == 1, "said once, not at every restart"
+    from inprocess.health_check import restart
+
+    fake_nvml(monkeypatch, count=1)
+    assert ChainedNVLHealthCheck(0)(state) is state  # the process's answer is kept
+    restart._nvml_absent.cache_clear()  # (a new process would ask again)
+    caplog.clear()
+    assert ChainedNVLHealthCheck(3)(state) is state
+    assert "no GPU 3" in caplog.text
+    nic = ChainedNicHealthCheck(sysfs_root=str(tmp_path / "none"))
+    assert nic(state) is state
+    assert "no InfiniBand port counters" in caplog.text
+
+
+def test_restart_checks_run_in_the_documented_order(monkeypatch, tmp_path, state):
+    from inprocess.health_check import restart
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert restart_health_checks() is None
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    order = []
+
+    class User(inprocess.health_check.HealthCheck):
+        def __init__(self, name):
+            self.name = name
+
+        def __call__(self, state):
+            order.append(self.name)
+            return state
+
+    for cls in (ChainedGPUHealthCheck, ChainedNVLHealthCheck, ChainedNicHealthCheck):
+        monkeypatch.setattr(cls, "check", lambda self, c=cls: order.append(c.__name__))
+    chained = restart_health_checks(inprocess.Compose(User("user1"), User("user2")), nic=True)
+    assert isinstance(chained, inprocess.health_check.HealthCheck)
+    assert [type(c).__name__ for c in chained.instances] == [
+        "User",
+        "User",
+        "ChainedNicHealthCheck",
+        "ChainedGPUHealthCheck",
+        "ChainedNVLHealthCheck",
+    ]
+    assert chained(state) is state
+    assert order == [
+        "ChainedNVLHealthCheck",
+        "ChainedGPUHealthCheck",
+        "ChainedNicHealthCheck",
+        "user2",
+        "user1",
+    ]
+    assert generation_of("health_check", restart_health_checks()) is None  # fits either
+    # The NIC check only where the node has InfiniBand counters (none here).
+    monkeypatch.setattr(restart, "IB_SYSFS", str(tmp_path / "none"))
+    monkeypatch.setattr(ChainedNicHealthCheck.__init__, "__defaults__", (None, str(tmp_path)))
+    assert len(restart_health_checks().instances) == 2
+    assert len(restart_health_checks(nic=False).instances) == 2
+    for bad in (-1, "0", True):
+        with pytest.raises(ValueError, match="device_index"):
+            restart_health_checks(device_index=bad)
+
+
+@pytest.mark.timeout(120)
+def test_wrapper_runs_them_before_the_users_check_and_a_gpu_failure_ends_the_rank(
+    single_rank, monkeypatch
+):
+    import datetime
+
+    ms = datetime.timedelta(milliseconds=1)
+    fast = dict(
+        monitor_thread_interval=20 * ms,
+        monitor_process_interval=20 * ms,
+        progress_watchdog_interval=20 * ms,
+        last_call_wait=10 * ms,
+    )
+    order = []
+
+    class UserCheck(inprocess.health_check.HealthCheck):
+        def __call__(self, state, train_ex):
+            order.append("user")
+            return state, train_ex
+
+    def gpu(self):
+        order.append("gpu")
+        if order.count("gpu") > 1:
+            raise HealthCheckError("GPU 0 is unhealthy: fake")
+
+    monkeypatch.setattr(ChainedGPUHealthCheck, "check", gpu)
+    monkeypatch.setattr(ChainedNVLHealthCheck, "check", lambda self: order.append("nvlink"))
+    monkeypatch.setattr(ChainedNicHealthCheck, "check", lambda self: order.append("nic"))
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    wrapper = inprocess.Wrapper(health_check=UserCheck(), **fast)
+    assert wrapper.restart_health_check is not None
+
+    def train():
+        raise ValueError("fault")
+
+    with pytest.raises(HealthCheckError, match="GPU 0 is unhealthy") as info:
+        wrapper(train)()
+    assert isinstance(info.value.__cause__, ValueError)
+    # the first iteration's check is the user's alone; after a fault: NVLink, GPU,
+    # (NIC where the node has InfiniBand counters), then the user's
+    assert order[0] == "user", order
+    restart_checks = [x for x in order[1:] if x != "nic"][:3]
+    assert restart_checks == ["nvlink", "gpu", "user"], order
+    assert order[-2:] == ["nvlink", "gpu"], order
+    assert type(wrapper.restart_health_check.instances[0]).__name__ == "UserCheck"
+
+    monkeypatch.delenv("LOCAL_RANK")
+    assert inprocess.Wrapper(**fast).restart_health_check is None
