@@ -59,9 +59,12 @@ from .policy import (
     WorkerReported,
 )
 from .processes import process_start_time
+from .runtime import controller_pid_path, die_with_parent, signal_exit_code
 from .standby import common_env
 from .state import JobState, Stage, StateStore, WorkerStatus
 from .store_server import SpareStoreServer, StoreServer, start_store_server
+
+__all__ = ["Controller", "controller_pid_path", "main", "namespace", "signal_exit_code"]
 
 log = logging.getLogger(__name__)
 
@@ -80,15 +83,6 @@ NO_MEMBER_GRACE = 3.0
 _ABORT_PREFIX = protocol.TERMINATED_PREFIX + "RestartAbort"
 #: a stop reason that names one of the job's limits (an ``events.jsonl`` "limit" event)
 _LIMIT = re.compile(r"\bmax_restarts=|_max_\w+=|max_relaunches=|max_failures=")
-
-
-def signal_exit_code(signum: int) -> int:
-    """The shell's convention: 128 + the signal that stopped the job (SIGINT: 130)."""
-    return 128 + int(signum)
-
-
-def controller_pid_path(state_dir: Path) -> Path:
-    return state_dir / "controller.pid"
 
 
 def namespace(job_id: str, generation: int) -> str:
@@ -782,8 +776,6 @@ def main(argv: list[str] | None = None) -> int:
     # The launcher's death ends the job: the kernel tells us with SIGTERM (handled
     # like any stop request). Set before anything else; if the launcher is
     # already gone, the signal would never come: stop at once.
-    from .supervisor import die_with_parent
-
     expected = os.environ.get("INPROCESS_SUPERVISOR_PID")
     if not die_with_parent(signal.SIGTERM, int(expected) if expected else None):
         os.kill(os.getpid(), signal.SIGTERM)

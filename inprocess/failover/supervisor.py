@@ -29,13 +29,14 @@ import psutil
 
 from . import policy
 from .backends import DEFAULT_BACKEND, Backend, create_backend
-from .controller import controller_pid_path, signal_exit_code
+from .runtime import controller_pid_path, die_with_parent, libc, signal_exit_code
 from .state import Stage, StateError, StateStore
+
+__all__ = ["Supervisor", "die_with_parent", "record_end"]
 
 log = logging.getLogger(__name__)
 
 _PR_SET_CHILD_SUBREAPER = 36
-_PR_SET_PDEATHSIG = 1
 #: a controller that keeps crashing this often in a row gives up the job
 MAX_CONTROLLER_RESTARTS = 10
 #: a controller that lived this long was stable: its crash starts a new count
@@ -47,28 +48,13 @@ RUN_TOKEN_ENV = "INPROCESS_RUN_TOKEN"
 SUPERVISOR_PID_ENV = "INPROCESS_SUPERVISOR_PID"
 #: how long the guard lets a controller stop the job in order after the launcher died
 GUARD_GRACE = 15.0
-
-
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(None, use_errno=True)
 #: a controller stopped (SIGSTOP) this long is hung: it is killed and replaced
 CONTROLLER_STOP_GRACE = 5.0
 
 
 def _become_subreaper() -> None:
-    if _libc().prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+    if libc().prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
-
-
-def die_with_parent(sig: int, expected_parent: int | None) -> bool:
-    """Asks the kernel for ``sig`` when our parent dies (``PR_SET_PDEATHSIG``).
-
-    Returns False when the parent is already gone (not ``expected_parent``):
-    the signal would never come then.
-    """
-    if _libc().prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    return expected_parent is None or os.getppid() == expected_parent
 
 
 def check_private_dir(path: Path, what: str) -> None:
