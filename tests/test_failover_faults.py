@@ -8,7 +8,6 @@ import contextlib
 import io
 import json
 import os
-import resource
 import signal
 import subprocess
 import sys
@@ -59,7 +58,8 @@ def test_flag_errors_name_the_flag_and_leave_nothing(tmp_path):
     outside = tmp_path / "outside"
     outside.mkdir()
     (state_dir / "logs").symlink_to(outside)
-    _one_line_error(_cli("--state-dir", str(state_dir), "--redirects", "3"), "--state-dir", "symlink")
+    refused = _cli("--state-dir", str(state_dir), "--redirects", "3")
+    _one_line_error(refused, "--state-dir", "symlink")
     assert list(outside.iterdir()) == [] and not (state_dir / "state.json").exists()
     (state_dir / "logs").unlink()
     # larger than the machine can hold: refused at once, by name
@@ -92,3 +92,131 @@ def test_corrected_rerun_with_the_same_state_dir_starts(tmp_path):
         timeout=100,
     )
     assert done.returncode == 0, done.stderr[-4000:]
+
+
+# ------------------------------------------------------------- e2e: one job each
+
+#: a worker that says it runs (a file per rank), then waits to be stopped
+SLEEPER = """
+import os, sys, time
+marks = sys.argv[sys.argv.index("--result-dir") + 1]
+os.makedirs(marks, exist_ok=True)
+open(os.path.join(marks, "rank" + os.environ["RANK"]), "w").close()
+time.sleep(float(sys.argv[sys.argv.index("--sleep") + 1]) if "--sleep" in sys.argv else 300)
+"""
+
+
+def _script(tmp_path: Path) -> Path:
+    path = tmp_path / "sleeper.py"
+    path.write_text(SLEEPER)
+    return path
+
+
+def _nothing_left(launch: Launch, seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while job_processes(launch.job_id) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not job_processes(launch.job_id), "a process of the job outlived it"
+
+
+def _errors(output: str) -> list[str]:
+    return [line for line in output.splitlines() if " ERROR " in line or "Traceback" in line]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_sigterm_during_a_large_launch_ends_within_5s(tmp_path):
+    workers = min(60, cli.local_capacity())
+    with Launch(
+        tmp_path, "--nnodes", "1", "--nproc-per-node", str(workers), script=_script(tmp_path)
+    ) as launch:
+        launch.wait_until(lambda: any(launch.out.glob("rank*")), what="a first worker")
+        os.kill(launch.proc.pid, signal.SIGTERM)
+        sent = time.monotonic()
+        code = launch.finish(timeout=30)
+        took = time.monotonic() - sent
+        assert code == 128 + signal.SIGTERM, launch.output()
+        assert took < 5.0, f"the launcher took {took:.1f}s to stop\n{launch.output()}"
+        _nothing_left(launch, seconds=1.0)
+        state = json.loads((launch.state_dir / "state.json").read_text())
+        assert state["stage"] == "STOPPED" and "SIGTERM" in state["reason"], state["reason"]
+        print(f"stopped in {took:.2f}s; {len(list(launch.out.glob('rank*')))}/{workers} "
+              f"workers had started; mid-launch: {'in the middle of an action' in launch.output()}")
+
+
+#: a file-size limit (bytes) between the first state (about 1.7 kB for two
+#: workers) and the state once they run (about 2.3 kB, 2.9 kB at the end)
+FSIZE = 2200
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_disk_that_refuses_the_state_costs_the_job_nothing(tmp_path, monkeypatch):
+    import test_failover_e2e
+
+    limited = [
+        sys.executable,
+        "-c",
+        "import resource, runpy, sys; "
+        f"resource.setrlimit(resource.RLIMIT_FSIZE, ({FSIZE}, {FSIZE})); "
+        "sys.argv[0] = 'inprocess-run'; "
+        "runpy.run_module('inprocess.failover.cli', run_name='__main__')",
+    ]
+    monkeypatch.setattr(test_failover_e2e, "RUN", limited)
+    with Launch(
+        tmp_path,
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        "2",
+        script=_script(tmp_path),
+        script_args=["--sleep", "1"],
+    ) as launch:
+        code = launch.finish(timeout=90)
+        output = launch.output()
+        assert code == 0, output
+        errors = _errors(output)
+        assert len(errors) == 1 and "Traceback" not in output, output
+        assert any("EFBIG" in line and "state.json" in line for line in errors), output
+        assert "controller died" not in output, output
+        _nothing_left(launch)
+        events = [json.loads(line) for line in (launch.state_dir / "events.jsonl").open()]
+        failed = [e for e in events if e["event"] == "state_save_failed"]
+        assert len(failed) == 1 and "EFBIG" in failed[0]["detail"], events
+        assert events[-1]["event"] == "job_end" and events[-1]["returncode"] == 0, events
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_an_emptied_state_file_and_a_dead_controller_end_the_job_with_a_reason(tmp_path):
+    # a planted symlink in the state dir: job events never go to its target
+    state_dir = tmp_path / "state"
+    state_dir.mkdir(mode=0o700)
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    (state_dir / "events.jsonl").symlink_to(victim)
+    planted = tmp_path / "planted"
+    planted.mkdir()
+    (planted / "keep").write_text("mine\n")
+    (state_dir / "exits").symlink_to(planted)
+    with Launch(
+        tmp_path, "--nnodes", "1", "--nproc-per-node", "2", script=_script(tmp_path)
+    ) as launch:
+        launch.wait_until(lambda: len(list(launch.out.glob("rank*"))) == 2, what="the workers")
+        launch.wait_until(lambda: launch.state()["stage"] == "RUNNING", what="RUNNING")
+        (state_dir / "state.json").write_bytes(b"")
+        os.kill(int((state_dir / "controller.pid").read_text()), signal.SIGKILL)
+        code = launch.finish(timeout=60)
+        output = launch.output()
+        assert code == 1, output
+        assert "Traceback" not in output, output
+        errors = _errors(output)
+        assert len(errors) == 1 and "cannot be read" in errors[0], output
+        _nothing_left(launch)
+        state = launch.state()
+        assert state["stage"] == "STOPPED" and "cannot be read" in state["reason"], state
+        assert (state_dir / "state.json.damaged").read_bytes() == b""
+        assert victim.read_text() == "precious\n"
+        assert (state_dir / "events.jsonl").is_symlink()
+        # no exit record went through the planted exits dir, none of its files went
+        assert [p.name for p in planted.iterdir()] == ["keep"]

@@ -23,6 +23,7 @@ import stat
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -252,7 +253,7 @@ class Supervisor:
         """The controller finished the job but could not save its end (a full disk,
         a file-size limit): the job's exit code stands; no controller is restarted."""
         code, reason = result
-        log.error(
+        log.warning(
             "the job ended (exit code %d: %s) but its end is not in %s (%s): "
             "the state file could not be written",
             code,
@@ -284,7 +285,8 @@ class Supervisor:
             os.replace(path, path + ".damaged")
         now = time.time()
         try:
-            stopping = policy.request_stop(initial, policy.FAILURE_EXIT_CODE, reason, now=now)
+            with _quiet(policy.logger):  # the reason is on the console once already
+                stopping = policy.request_stop(initial, policy.FAILURE_EXIT_CODE, reason, now=now)
             self.states.save(policy.stopped(stopping.state, now=now))
         except (OSError, StateError) as ex:
             log.error("cannot record the end of the job in %s: %s", path, ex)
@@ -422,6 +424,17 @@ class Supervisor:
             time.sleep(0.01)
         self.backend.clear_exit_records()
         self.backend.close()
+
+
+@contextlib.contextmanager
+def _quiet(logger: logging.Logger) -> Iterator[None]:
+    """``logger`` says nothing for the duration."""
+    before = logger.disabled
+    logger.disabled = True
+    try:
+        yield
+    finally:
+        logger.disabled = before
 
 
 def _kill_if_still_stopped(pid: int, grace: float) -> int | None:

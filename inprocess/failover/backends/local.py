@@ -214,7 +214,10 @@ class LocalBackend:
         write_exit_record(self.exits_dir, pid, status)
 
     def clear_exit_records(self) -> None:
-        """Removes the exit records directory (the job is over)."""
+        """Removes the exit records directory (the job is over); a symlink planted
+        in its place is left alone (never the files of its target)."""
+        if self.exits_dir.is_symlink():
+            return
         with contextlib.suppress(FileNotFoundError):
             for entry in os.scandir(self.exits_dir):
                 with contextlib.suppress(FileNotFoundError):
