@@ -184,6 +184,16 @@ def test_a_disk_that_refuses_the_state_costs_the_job_nothing(tmp_path, monkeypat
         failed = [e for e in events if e["event"] == "state_save_failed"]
         assert len(failed) == 1 and "EFBIG" in failed[0]["detail"], events
         assert events[-1]["event"] == "job_end" and events[-1]["returncode"] == 0, events
+        # surfaced in the report and the status line
+        from inprocess import report
+        from inprocess.failover.console import JobView
+
+        summary = report.summarize(report.load([launch.state_dir]))
+        assert summary["result"]["exit_code"] == 0
+        assert "EFBIG" in report.format_summary(summary).split("state not saved", 1)[1]
+        view = JobView(launch.state_dir)
+        view.refresh()
+        assert "state not saved: EFBIG" in view.status(), view.status()
 
 
 @pytest.mark.slow
