@@ -296,8 +296,9 @@ class Controller:
             self.stop_workers(list(action.workers))
             for worker in action.workers:
                 self._check_stop()
-                self.start_worker(worker, batched=True)
-            self.flush()
+                # saved one by one: a controller that dies here resumes RUNNING, and
+                # must know every worker it started (no second process of a rank)
+                self.start_worker(worker)
             self.event(
                 "node_relaunch",
                 node=action.node,
@@ -599,6 +600,9 @@ class Controller:
         self.commit(state)
         self._reported.clear()
         self._first_call = 0
+        # Batched saves are safe here: the stage is READY until the last worker is
+        # started, and a controller that dies in READY stops the job (policy.recover),
+        # whose every process the supervisor then ends by its run token.
         for worker in sorted(self.state.workers):
             self._check_stop()
             self.start_worker(worker, batched=True)
