@@ -79,14 +79,26 @@ def test_corrected_rerun_with_the_same_state_dir_starts(tmp_path):
     refused = subprocess.run(
         [*RUN, *flags, "--log-dir", str(a_file), str(TRAIN), "--steps", "2"],
         env=ENV,
+        cwd=tmp_path,
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert refused.returncode == 2 and "--log-dir" in refused.stderr, refused.stderr
     done = subprocess.run(
-        [*RUN, *flags, "--log-dir", str(tmp_path / "logs"), str(TRAIN), "--steps", "2"],
+        [
+            *RUN,
+            *flags,
+            "--log-dir",
+            str(tmp_path / "logs"),
+            str(TRAIN),
+            "--steps",
+            "2",
+            "--result-dir",
+            str(tmp_path / "out"),
+        ],
         env=ENV,
+        cwd=tmp_path,
         capture_output=True,
         text=True,
         timeout=100,
