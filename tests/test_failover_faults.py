@@ -242,3 +242,76 @@ def test_an_emptied_state_file_and_a_dead_controller_end_the_job_with_a_reason(t
         assert (state_dir / "events.jsonl").is_symlink()
         # no exit record went through the planted exits dir, none of its files went
         assert [p.name for p in planted.iterdir()] == ["keep"]
+
+
+# ------------------------------------------------------------- the controller alone
+
+
+class _CountingBackend:
+    """Starts nothing: hands out fake pids, so a launch is only the controller's work."""
+
+    def __init__(self, on_start=None) -> None:
+        self.started: list[int] = []
+        self.stopped: list[int] = []
+        self.on_start = on_start
+
+    def start(self, launch) -> tuple[int, float]:
+        self.started.append(launch.worker)
+        if self.on_start is not None:
+            self.on_start(len(self.started))
+        return 10_000_000 + launch.worker, 1.0
+
+    def stop(self, pids, grace) -> None:
+        self.stopped.extend(pids)
+
+    def close(self) -> None:
+        pass
+
+
+def _controller(tmp_path: Path, workers: int, backend):
+    from inprocess.failover import controller as ctl
+    from inprocess.failover import policy
+    from inprocess.failover.spec import JobSpec
+    from inprocess.failover.state import StateStore
+    from inprocess.failover.store_server import StoreServer
+
+    spec = JobSpec(
+        job_id="unit",
+        entrypoint=("x.py",),
+        nnodes=1,
+        nproc_per_node=workers,
+        state_dir=str(tmp_path),
+        standby=0,  # no spare store server either
+    )
+    StateStore(tmp_path).create(policy.new_job_state(spec, now=time.time()))
+    controller = ctl.Controller(tmp_path, backend=backend)
+    fake = StoreServer("127.0.0.1", 1, os.getpid())
+    controller._new_server = lambda: fake  # no store process: only the launch is measured
+    controller._stop_server = lambda: None
+    return controller, policy
+
+
+def test_a_launch_saves_the_state_once_not_per_worker(tmp_path):
+    controller, policy = _controller(tmp_path, 200, _CountingBackend())
+    saves = []
+    save = controller.states.save
+    controller.states.save = lambda state: (saves.append(state.stage), save(state))
+    controller.apply(policy.start_job(controller.state, now=time.time()))
+    assert len(controller.backend.started) == 200
+    assert controller.state.stage.value == "RUNNING"
+    assert len(saves) <= 5, f"{len(saves)} saves for one launch of 200 workers"
+    assert saves[-1].value == "RUNNING"  # the state on disk is the final one
+
+
+def test_a_stop_request_mid_launch_abandons_it(tmp_path):
+    def on_start(count: int) -> None:
+        if count == 10:  # the signal handler's effect, between two starts
+            controller._stop_signal = signal.SIGTERM
+
+    backend = _CountingBackend(on_start)
+    controller, policy = _controller(tmp_path, 200, backend)
+    controller.apply(policy.start_job(controller.state, now=time.time()))
+    assert len(backend.started) == 10, "the launch went on after the stop request"
+    on_disk = json.loads((tmp_path / "state.json").read_text())
+    running = [w for w, r in on_disk["workers"].items() if r["pid"] is not None]
+    assert len(running) == 10  # every started worker is known, so the stop ends it
