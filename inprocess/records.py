@@ -75,6 +75,7 @@ EVENTS = (
     "controller_recovery",
     "limit",
     "job_end",
+    "state_save_failed",  # the controller could not save the job's state (detail: path, errno)
 )
 #: the fields of a controller event (those that do not apply are ``None``)
 EVENT_FIELDS = (
@@ -122,12 +123,17 @@ def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
 
 def append_jsonl(
-    path: str | os.PathLike[str], record: dict[str, Any], durable: bool = False
+    path: str | os.PathLike[str],
+    record: dict[str, Any],
+    durable: bool = False,
+    nofollow: bool = False,
 ) -> None:
     """Appends ``record`` as one line, in one ``write(2)`` (``O_APPEND``: concurrent
-    writers' lines never interleave). ``durable`` also fsyncs it."""
+    writers' lines never interleave). ``durable`` also fsyncs it; ``nofollow``
+    refuses a symlink at ``path`` (ELOOP) instead of writing through it."""
     line = json.dumps(record, separators=(",", ":"), default=str).encode() + b"\n"
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
+    fd = os.open(path, flags | (os.O_NOFOLLOW if nofollow else 0), 0o600)
     try:
         os.write(fd, line)
         if durable:
@@ -137,8 +143,11 @@ def append_jsonl(
 
 
 def end_torn_line(path: str | os.PathLike[str]) -> None:
-    """Ends a torn last line (a writer died mid-line) so the next line starts clean."""
-    with contextlib.suppress(OSError), open(path, "rb+") as f:
+    """Ends a torn last line (a writer died mid-line) so the next line starts clean.
+    Never through a symlink."""
+    with contextlib.suppress(OSError), open(
+        path, "rb+", opener=lambda p, flags: os.open(p, flags | os.O_NOFOLLOW)
+    ) as f:
         f.seek(0, os.SEEK_END)
         if f.tell() == 0:
             return

@@ -338,6 +338,8 @@ def summarize(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "cold_restarts": len(by_event["cold_restart"]),
         "controller_recoveries": len(by_event["controller_recovery"]),
         "limits": [e.get("detail") for e in by_event["limit"]],
+        # the controller could not save the job's state (durability, not the job's result)
+        "state_save_failures": [e.get("detail") for e in by_event["state_save_failed"]],
         "per_node": {str(k): dict(v) for k, v in sorted(nodes.items(), key=lambda kv: str(kv[0]))},
         "state": state,
         "result": None
@@ -482,6 +484,8 @@ def format_summary(s: dict[str, Any]) -> str:
     for detail in s["limits"]:
         rows.append(("limit reached", str(detail)))
     rows += _state_rows(s.get("state"))
+    for detail in s.get("state_save_failures", ()):
+        rows.append(("state not saved", str(detail)))
     width = max(len(k) for k, _ in rows)
     lines = [f"{k.ljust(width)}  {v}" for k, v in rows]
     lines += _restore_lines(s.get("state"))

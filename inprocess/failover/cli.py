@@ -15,6 +15,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import resource
 import secrets
 import shutil
 import socket
@@ -228,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
             bundle = parse_bundle(args.ray_bundle)
         except ValueError as ex:
             return _error(str(ex))
-    problem = _check_launch_flags(args)
+    problem = _check_launch_flags(args) or _check_machine(args)
     if problem:
         return _error(problem)
     if args.backend == "ray":
@@ -268,15 +269,29 @@ def main(argv: list[str] | None = None) -> int:
     except SpecError as ex:
         return _error(_flag_names(str(ex)))
     lock = None
+    # Invariant: a refused start leaves the state dir as it found it (the
+    # corrected rerun with the same --state-dir starts): every flag is checked
+    # before anything is written, and what was written is removed on a refusal.
+    made_dir = not os.path.lexists(state_dir)
+    store = StateStore(state_dir)
+    created = False
     try:
         lock = lock_job_id(job_id)  # held (open) as long as this process lives
-        _prepare_state_dir(state_dir)
-        StateStore(state_dir).create(policy.new_job_state(spec, now=time.time()))
         if log_dir is not None:
-            log_dir.mkdir(parents=True)
+            _check_log_dir(log_dir.parent, "--log-dir" if args.log_dir is not None else None)
+        _prepare_state_dir(state_dir)
+        store.create(policy.new_job_state(spec, now=time.time()))
+        created = True
+        if log_dir is not None:
+            flag = "--log-dir" if args.log_dir is not None else "--state-dir"
+            try:
+                log_dir.mkdir(parents=True)
+            except OSError as ex:
+                raise StateError(f"{flag} {log_dir.parent}: {ex.strerror or ex}") from None
     except (StateError, OSError) as ex:
         if lock is not None:
             os.close(lock)
+        _undo_start(state_dir, store.path if created else None, made_dir)
         if isinstance(ex, StateError):
             return _error(str(ex))
         return _error(f"--state-dir {state_dir}: {ex.strerror or ex}")
@@ -456,6 +471,37 @@ def _check_launch_flags(args: argparse.Namespace) -> str | None:
     return None
 
 
+#: most worker processes one machine runs per CPU (--backend local): far beyond
+#: any useful oversubscription, far below what makes a launch take hours
+LOCAL_WORKERS_PER_CPU = 64
+
+
+def local_capacity() -> int:
+    """Most worker processes a ``--backend local`` job may start on this machine:
+    :data:`LOCAL_WORKERS_PER_CPU` per CPU, and below this user's process limit."""
+    limit = LOCAL_WORKERS_PER_CPU * (os.cpu_count() or 1)
+    soft, _ = resource.getrlimit(resource.RLIMIT_NPROC)
+    if soft != resource.RLIM_INFINITY:
+        limit = min(limit, max(1, soft // 2))  # room for the user's other processes
+    return limit
+
+
+def _check_machine(args: argparse.Namespace) -> str | None:
+    """Refuses a local launch larger than the machine can hold, before anything starts."""
+    if args.backend != "local" or args.nnodes < 1 or args.nproc_per_node < 1:
+        return None  # bad numbers are refused by name later
+    workers = args.nnodes * args.nproc_per_node
+    capacity = local_capacity()
+    if workers > capacity:
+        return (
+            f"--nproc-per-node {args.nproc_per_node} with --nnodes {args.nnodes} is "
+            f"{workers} worker processes; --backend local runs at most {capacity} on this "
+            f"machine ({LOCAL_WORKERS_PER_CPU} per CPU, {os.cpu_count()} CPUs, within the "
+            "process limit): lower them, or use --backend ray for several machines"
+        )
+    return None
+
+
 def _error(message: str) -> int:
     print(f"inprocess-run: error: {message}", file=sys.stderr)
     return 2
@@ -472,6 +518,35 @@ def _prepare_state_dir(state_dir: Path) -> None:
         check_private_dir(state_dir, "--state-dir")
     except StateError as ex:
         raise StateError(f"{ex}; the job's state and pid files must be private") from None
+
+
+def _check_log_dir(base: Path, flag: str | None) -> None:
+    """Refuses a log dir that cannot be made: below a file, not writable, or (the
+    default, ``<state-dir>/logs``: ``flag`` None) a symlink planted in the state dir.
+
+    Raises:
+        StateError: naming the flag (``--log-dir`` or ``--state-dir``) and the path.
+    """
+    name = flag or "--state-dir"
+    if flag is None and base.is_symlink():
+        raise StateError(f"--state-dir {base.parent}: {base.name} is a symlink; remove it")
+    probe = base
+    while not os.path.lexists(probe):
+        probe = probe.parent
+    if not probe.is_dir():
+        raise StateError(f"{name} {base}: {probe} is not a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise StateError(f"{name} {base}: {probe} is not writable")
+
+
+def _undo_start(state_dir: Path, state_file: str | None, made_dir: bool) -> None:
+    """Removes what a refused start wrote: its state file, and the state dir it made."""
+    if state_file is not None:
+        with contextlib.suppress(OSError):
+            os.unlink(state_file)
+    if made_dir:
+        with contextlib.suppress(OSError):
+            state_dir.rmdir()  # only if empty: never someone's files
 
 
 def _lock_dir() -> Path:

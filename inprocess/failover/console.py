@@ -165,6 +165,8 @@ class JobView:
         self.state_dir = state_dir
         self.started = time.monotonic()
         self.state: Any = None
+        #: why the controller could not save the job's state, once it said so
+        self.state_unsaved = ""
         self.restarts = 0
         self.relaunches = 0
         #: (time, text, latency or None) of the last fault seen
@@ -197,6 +199,9 @@ class JobView:
             kind = event.get("event")
             if kind == "worker_relaunch":
                 self.relaunches += 1
+            elif kind == "state_save_failed":
+                # errno name from "...: EFBIG File too large"
+                self.state_unsaved = str(event.get("detail") or "").rpartition(": ")[2][:40]
             elif kind == "worker_exit" and (event.get("returncode") or event.get("signal")):
                 how = (
                     f"signal {event['signal']}"
@@ -252,6 +257,8 @@ class JobView:
             parts.append(f"relaunches {self.relaunches}")
         if state.job_restarts:
             parts.append(f"cold restarts {state.job_restarts}")
+        if self.state_unsaved:
+            parts.append(f"state not saved: {self.state_unsaved}")
         if self.last_fault is not None:
             _, text, latency = self.last_fault
             if latency is not None:

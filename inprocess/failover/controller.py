@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import errno
 import logging
 import os
 import re
@@ -59,9 +60,12 @@ from .policy import (
     WorkerReported,
 )
 from .processes import process_start_time
+from .runtime import controller_pid_path, die_with_parent, signal_exit_code
 from .standby import common_env
 from .state import JobState, Stage, StateStore, WorkerStatus
 from .store_server import SpareStoreServer, StoreServer, start_store_server
+
+__all__ = ["Controller", "controller_pid_path", "main", "namespace", "signal_exit_code"]
 
 log = logging.getLogger(__name__)
 
@@ -76,19 +80,14 @@ STORE_READ_TIMEOUT = 2.0
 #: a Wrapper job seen without a live member this long is lost; covers the moment
 #: between a joiner's admission and the membership that lists it
 NO_MEMBER_GRACE = 3.0
+#: during a long action (a launch), the state is saved at most this often
+SAVE_BATCH_SECONDS = 1.0
+#: saves of the final state tried before the controller exits without it
+FINAL_SAVE_TRIES = 3
 #: prefix of the fault-log reason of a rank whose Wrapper ended with RestartAbort
 _ABORT_PREFIX = protocol.TERMINATED_PREFIX + "RestartAbort"
 #: a stop reason that names one of the job's limits (an ``events.jsonl`` "limit" event)
 _LIMIT = re.compile(r"\bmax_restarts=|_max_\w+=|max_relaunches=|max_failures=")
-
-
-def signal_exit_code(signum: int) -> int:
-    """The shell's convention: 128 + the signal that stopped the job (SIGINT: 130)."""
-    return 128 + int(signum)
-
-
-def controller_pid_path(state_dir: Path) -> Path:
-    return state_dir / "controller.pid"
 
 
 def namespace(job_id: str, generation: int) -> str:
@@ -120,6 +119,12 @@ class Controller:
         self._no_member_since: float | None = None
         #: the next generation's store server, started ahead (``--standby`` > 0)
         self._spare_server: SpareStoreServer | None = None
+        #: the current state is not saved yet (batched, or the save failed)
+        self._unsaved = False
+        self._saved_at = 0.0
+        #: the first of a run of failed saves, logged once; ``None`` once one succeeds
+        self._save_error: str | None = None
+        self._events_failed = False
         self.events_path = state_dir / _records.EVENTS_FILE
         _records.end_torn_line(self.events_path)  # an earlier controller may have died mid-line
 
@@ -143,9 +148,15 @@ class Controller:
         )
         fields.setdefault("target", spec.world_size)
         try:
-            _records.append_jsonl(self.events_path, _records.event(name, **fields), durable=True)
+            _records.append_jsonl(
+                self.events_path, _records.event(name, **fields), durable=True, nofollow=True
+            )
         except OSError as ex:
-            log.warning("cannot write %s: %s", self.events_path, ex)
+            if not self._events_failed:  # once: a full disk would repeat it every event
+                log.warning("cannot write %s: %s", self.events_path, ex)
+            self._events_failed = True
+        else:
+            self._events_failed = False
 
     # ---------------------------------------------------------------- main loop
 
@@ -173,11 +184,16 @@ class Controller:
                     code, reason = policy.FAILURE_EXIT_CODE, "inprocess-run died: stopping the job"
                 self.apply(policy.request_stop(self.state, code, reason, now=time.time()))
                 continue
+            self.flush()  # a save that failed is retried every loop
             for event in self.observe():
                 self.apply(policy.handle_event(self.state, event, now=time.time()))
                 if self.state.stage is not Stage.RUNNING:
                     break
         self.backend.close()
+        for attempt in range(FINAL_SAVE_TRIES):
+            if self.flush():
+                break
+            time.sleep(0.2 * (attempt + 1))
         code = (
             self.state.exit_code if self.state.exit_code is not None else policy.FAILURE_EXIT_CODE
         )
@@ -190,14 +206,71 @@ class Controller:
 
     # ---------------------------------------------------------------- deciding
 
-    def commit(self, state: JobState) -> None:
-        """Saves ``state`` (before anything is done about it) and makes it current."""
-        if state is not self.state:
-            self.states.save(state)
-            self.state = state
+    def commit(self, state: JobState, batched: bool = False) -> None:
+        """Makes ``state`` current and saves it (before anything is done about it).
+
+        ``batched``: a step of a long action (one worker of a launch); saved at
+        most every :data:`SAVE_BATCH_SECONDS`, and always once the action ends
+        (:meth:`flush`), so a launch of N workers is not N saves of a growing file.
+        """
+        if state is self.state:
+            return
+        self.state = state
+        self._unsaved = True
+        if not batched or time.monotonic() - self._saved_at >= SAVE_BATCH_SECONDS:
+            self.flush()
+
+    def flush(self) -> bool:
+        """Saves the current state if it is not saved yet; whether it is saved now.
+
+        A failure to save (a full or read-only disk, a file-size limit, EIO) is
+        an error of durability, not of the job: it is logged once with the path
+        and errno, recorded in ``events.jsonl`` where that can still be written,
+        and the save is retried at the next change and every loop of the
+        controller. The in-memory state stays the authority meanwhile.
+        """
+        if not self._unsaved:
+            return True
+        try:
+            self.states.save(self.state)
+        except OSError as ex:
+            if self._save_error is None:
+                code = errno.errorcode.get(ex.errno or 0, str(ex.errno))
+                self._save_error = (
+                    f"cannot save the job's state to {self.states.path}: "
+                    f"{code} {ex.strerror or ex}"
+                )
+                log.error("%s; the job goes on, the save is retried", self._save_error)
+                self.event("state_save_failed", detail=self._save_error)
+            return False
+        self._unsaved = False
+        self._saved_at = time.monotonic()
+        if self._save_error is not None:
+            log.warning("the job's state is saved again to %s", self.states.path)
+            self._save_error = None
+        return True
 
     def apply(self, decision: Decision) -> None:
         self.commit(decision.state)
+        try:
+            self._execute_all(decision)
+        except _StopRequested:
+            # The loop stops the job next (its stop request is pending); the
+            # workers started so far are in the state, so they are stopped too.
+            log.warning("stop requested in the middle of an action: abandoning it")
+        finally:
+            self.flush()
+
+    def _check_stop(self) -> None:
+        """Raises :class:`_StopRequested` once a stop request came (SIGINT, SIGTERM,
+        SIGHUP) while not stopping already: long actions call it between steps."""
+        if self._stop_signal is not None and self.state.stage not in (
+            Stage.STOPPING,
+            Stage.STOPPED,
+        ):
+            raise _StopRequested
+
+    def _execute_all(self, decision: Decision) -> None:
         for action in decision.actions:
             if isinstance(action, RelaunchWorker) and (
                 self.state.stage is not Stage.RUNNING
@@ -222,6 +295,9 @@ class Controller:
             )
             self.stop_workers(list(action.workers))
             for worker in action.workers:
+                self._check_stop()
+                # saved one by one: a controller that dies here resumes RUNNING, and
+                # must know every worker it started (no second process of a rank)
                 self.start_worker(worker)
             self.event(
                 "node_relaunch",
@@ -524,8 +600,13 @@ class Controller:
         self.commit(state)
         self._reported.clear()
         self._first_call = 0
+        # Batched saves are safe here: the stage is READY until the last worker is
+        # started, and a controller that dies in READY stops the job (policy.recover),
+        # whose every process the supervisor then ends by its run token.
         for worker in sorted(self.state.workers):
-            self.start_worker(worker)
+            self._check_stop()
+            self.start_worker(worker, batched=True)
+        self.flush()
         self._prepare_ahead()
 
     def _new_server(self) -> StoreServer:
@@ -560,7 +641,7 @@ class Controller:
         ):
             self._spare_server = SpareStoreServer(self.spec.master_addr)
 
-    def start_worker(self, worker: int) -> None:
+    def start_worker(self, worker: int, batched: bool = False) -> None:
         record = self.state.workers[worker]
         slot = self.state.node_slots[record.node]
         stdout, stderr, output_env = worker_output(self.spec, worker, self.state.generation)
@@ -578,7 +659,8 @@ class Controller:
         self.commit(
             policy.worker_started(
                 self.state, worker, pid=pid, start_time=start_time, now=time.time()
-            )
+            ),
+            batched=batched,
         )
 
     def worker_env(self, worker: int, incarnation: int, slot: int) -> dict[str, str]:
@@ -682,6 +764,10 @@ class Controller:
                 StoreServer(store["host"], store["port"], store["pid"]).stop()
 
 
+class _StopRequested(Exception):
+    """A stop request came during a long action: the action is abandoned."""
+
+
 class _BoundedCalls:
     """Runs blocking calls (store reads) on a daemon thread, waiting a bounded time.
 
@@ -774,6 +860,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--state-dir", required=True, type=Path)
     parser.add_argument("--recover", action="store_true", help="resume after a controller crash")
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument(
+        "--result-fd", type=int, default=None, help="where to write the job's exit code at its end"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=args.log_level,
@@ -782,15 +871,19 @@ def main(argv: list[str] | None = None) -> int:
     # The launcher's death ends the job: the kernel tells us with SIGTERM (handled
     # like any stop request). Set before anything else; if the launcher is
     # already gone, the signal would never come: stop at once.
-    from .supervisor import die_with_parent
-
     expected = os.environ.get("INPROCESS_SUPERVISOR_PID")
     if not die_with_parent(signal.SIGTERM, int(expected) if expected else None):
         os.kill(os.getpid(), signal.SIGTERM)
     controller = Controller(args.state_dir)
+    code = policy.FAILURE_EXIT_CODE
     with contextlib.suppress(BrokenPipeError):
-        return controller.run(recovering=args.recover)
-    return policy.FAILURE_EXIT_CODE
+        code = controller.run(recovering=args.recover)
+        if args.result_fd is not None:
+            # The job's end, for the supervisor, even where it could not be saved.
+            with contextlib.suppress(OSError):
+                reason = (controller.state.reason or "").replace("\n", " ")
+                os.write(args.result_fd, f"{code} {reason}\n".encode()[:4000])
+    return code
 
 
 if __name__ == "__main__":

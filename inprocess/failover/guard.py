@@ -27,7 +27,7 @@ from pathlib import Path
 
 import psutil
 
-from .controller import controller_pid_path
+from .runtime import controller_pid_path
 from .supervisor import GUARD_GRACE, RUN_TOKEN_ENV, end_processes, record_end, run_processes
 
 log = logging.getLogger(__name__)

@@ -23,19 +23,22 @@ import stat
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 
+from .. import records as _records
 from . import policy
 from .backends import DEFAULT_BACKEND, Backend, create_backend
-from .controller import controller_pid_path, signal_exit_code
-from .state import Stage, StateError, StateStore
+from .runtime import controller_pid_path, die_with_parent, libc, signal_exit_code
+from .state import JobState, Stage, StateError, StateStore
+
+__all__ = ["Supervisor", "die_with_parent", "record_end"]
 
 log = logging.getLogger(__name__)
 
 _PR_SET_CHILD_SUBREAPER = 36
-_PR_SET_PDEATHSIG = 1
 #: a controller that keeps crashing this often in a row gives up the job
 MAX_CONTROLLER_RESTARTS = 10
 #: a controller that lived this long was stable: its crash starts a new count
@@ -47,28 +50,13 @@ RUN_TOKEN_ENV = "INPROCESS_RUN_TOKEN"
 SUPERVISOR_PID_ENV = "INPROCESS_SUPERVISOR_PID"
 #: how long the guard lets a controller stop the job in order after the launcher died
 GUARD_GRACE = 15.0
-
-
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(None, use_errno=True)
 #: a controller stopped (SIGSTOP) this long is hung: it is killed and replaced
 CONTROLLER_STOP_GRACE = 5.0
 
 
 def _become_subreaper() -> None:
-    if _libc().prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+    if libc().prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
-
-
-def die_with_parent(sig: int, expected_parent: int | None) -> bool:
-    """Asks the kernel for ``sig`` when our parent dies (``PR_SET_PDEATHSIG``).
-
-    Returns False when the parent is already gone (not ``expected_parent``):
-    the signal would never come then.
-    """
-    if _libc().prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    return expected_parent is None or os.getppid() == expected_parent
 
 
 def check_private_dir(path: Path, what: str) -> None:
@@ -188,6 +176,7 @@ class Supervisor:
         self._lifeline: int | None = None
         self._signal: int | None = None
         self._cleaned = False
+        self._result_fd: int | None = None
 
     def run(self) -> int:
         _become_subreaper()
@@ -197,11 +186,22 @@ class Supervisor:
         self._start_guard()
         restarts = 0
         try:
+            # the job's first state (cli.py just created it): the base of the
+            # record of an end when the file is found damaged later
+            initial = self.states.load()
             while True:
                 status = self._run_controller(recover=restarts > 0)
-                state = self.states.load()
+                result = self._controller_result()
+                try:
+                    state = self.states.load()
+                except (OSError, StateError) as ex:
+                    if result is not None:
+                        return self._finished_unsaved(result, f"{ex}")
+                    return self._end_damaged(initial, ex)
                 if state.stage is Stage.STOPPED:
                     return state.exit_code if state.exit_code is not None else 1
+                if result is not None:  # the job ended, but its end could not be saved
+                    return self._finished_unsaved(result, f"stage {state.stage.value}")
                 if self._signal is not None:  # e.g. SIGTERM to our whole group
                     name = signal.Signals(self._signal).name
                     code = signal_exit_code(self._signal)
@@ -230,6 +230,76 @@ class Supervisor:
         finally:
             self._clean_up()
             self._stop_guard()
+
+    def _controller_result(self) -> tuple[int, str] | None:
+        """The exit code and reason the controller reported at the job's end
+        (through its result pipe), or ``None`` if it died before."""
+        fd, self._result_fd = self._result_fd, None
+        if fd is None:
+            return None
+        try:
+            data = os.read(fd, 4096).decode(errors="replace")
+        except OSError:
+            data = ""
+        finally:
+            os.close(fd)
+        code, _, reason = data.strip().partition(" ")
+        try:
+            return int(code), reason
+        except ValueError:
+            return None
+
+    def _finished_unsaved(self, result: tuple[int, str], saved: str) -> int:
+        """The controller finished the job but could not save its end (a full disk,
+        a file-size limit): the job's exit code stands; no controller is restarted."""
+        code, reason = result
+        log.warning(
+            "the job ended (exit code %d: %s) but its end is not in %s (%s): "
+            "the state file could not be written",
+            code,
+            reason,
+            self.states.path,
+            saved,
+        )
+        self._clean_up()
+        with contextlib.suppress(OSError, StateError):  # the disk may still refuse
+            states = StateStore(self.state_dir)
+            state = states.load()
+            if state.stage is not Stage.STOPPED:
+                now = time.time()
+                if state.stage is not Stage.STOPPING:
+                    state = policy.request_stop(state, code, reason or "ended", now=now).state
+                states.save(policy.stopped(state, now=now))
+        return code
+
+    def _end_damaged(self, initial: JobState, problem: Exception) -> int:
+        """The state file is damaged (empty, corrupt) and the controller is gone:
+        the job cannot be resumed. Ends its processes, keeps the damaged file for a
+        person to look at (``state.json.damaged``), records the reason in a fresh
+        state and in ``events.jsonl``; one line on the console."""
+        reason = f"the job's state file cannot be read ({problem}): the job cannot be resumed"
+        log.error("%s; ending it", reason)
+        self._clean_up()
+        path = self.states.path
+        with contextlib.suppress(OSError):
+            os.replace(path, path + ".damaged")
+        now = time.time()
+        try:
+            with _quiet(policy.logger):  # the reason is on the console once already
+                stopping = policy.request_stop(initial, policy.FAILURE_EXIT_CODE, reason, now=now)
+            self.states.save(policy.stopped(stopping.state, now=now))
+        except (OSError, StateError) as ex:
+            log.error("cannot record the end of the job in %s: %s", path, ex)
+        with contextlib.suppress(OSError, ValueError):
+            _records.append_jsonl(
+                self.state_dir / _records.EVENTS_FILE,
+                _records.event(
+                    "job_end", returncode=policy.FAILURE_EXIT_CODE, detail=reason
+                ),
+                durable=True,
+                nofollow=True,
+            )
+        return policy.FAILURE_EXIT_CODE
 
     def _controller_uptime(self) -> float:
         """How long the dead controller ran after its start-up (0 if it never got there).
@@ -288,7 +358,14 @@ class Supervisor:
         ]
         if recover:
             args.append("--recover")
-        self.controller = subprocess.Popen(args + self.controller_args)
+        read, write = os.pipe()  # the controller reports the job's end on it
+        self._result_fd = read
+        try:
+            self.controller = subprocess.Popen(
+                [*args, "--result-fd", str(write), *self.controller_args], pass_fds=(write,)
+            )
+        finally:
+            os.close(write)
         pid = self.controller.pid
         guard = self.guard.pid if self.guard is not None else None
         while True:
@@ -316,7 +393,10 @@ class Supervisor:
                 self.guard.returncode = os.waitstatus_to_exitcode(status)
                 continue
             # An orphaned worker or store server of a dead controller.
-            self.backend.record_exit(reaped, status)
+            try:
+                self.backend.record_exit(reaped, status)
+            except OSError as ex:  # a full disk: the next controller sees no status
+                log.warning("cannot record how process %d ended: %s", reaped, ex)
 
     def _forward(self, signum: int, frame: object) -> None:
         """Ctrl-C, SIGTERM or SIGHUP: the controller stops the job and records why."""
@@ -344,6 +424,17 @@ class Supervisor:
             time.sleep(0.01)
         self.backend.clear_exit_records()
         self.backend.close()
+
+
+@contextlib.contextmanager
+def _quiet(logger: logging.Logger) -> Iterator[None]:
+    """``logger`` says nothing for the duration."""
+    before = logger.disabled
+    logger.disabled = True
+    try:
+        yield
+    finally:
+        logger.disabled = before
 
 
 def _kill_if_still_stopped(pid: int, grace: float) -> int | None:

@@ -17,6 +17,7 @@ watched like a spawned one.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -45,6 +46,8 @@ def exit_record_path(exits_dir: Path, pid: int) -> Path:
 def write_exit_record(exits_dir: Path, pid: int, status: int) -> None:
     """Records how a reaped process ended (used by the supervisor)."""
     exits_dir.mkdir(parents=True, exist_ok=True)
+    if exits_dir.is_symlink():  # planted: never write through it
+        raise OSError(errno.ELOOP, "is a symlink", str(exits_dir))
     code = os.waitstatus_to_exitcode(status)
     record = {
         "pid": pid,
@@ -52,7 +55,11 @@ def write_exit_record(exits_dir: Path, pid: int, status: int) -> None:
         "signal": -code if code < 0 else None,
     }
     tmp = exits_dir / f".{pid}.tmp"
-    tmp.write_text(json.dumps(record))
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()  # a leftover, or a planted symlink (removed, not followed)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(record))
     os.replace(tmp, exit_record_path(exits_dir, pid))
 
 
@@ -207,7 +214,10 @@ class LocalBackend:
         write_exit_record(self.exits_dir, pid, status)
 
     def clear_exit_records(self) -> None:
-        """Removes the exit records directory (the job is over)."""
+        """Removes the exit records directory (the job is over); a symlink planted
+        in its place is left alone (never the files of its target)."""
+        if self.exits_dir.is_symlink():
+            return
         with contextlib.suppress(FileNotFoundError):
             for entry in os.scandir(self.exits_dir):
                 with contextlib.suppress(FileNotFoundError):
