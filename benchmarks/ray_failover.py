@@ -176,7 +176,6 @@ def main() -> int:
         head_node_args={
             "num_cpus": 0,
             "include_dashboard": False,
-            "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 4},
         },
     )
     results: dict[str, list[dict[str, float]]] = {"local": [], "ray": []}

@@ -49,13 +49,13 @@ def _is_ray_process(proc: psutil.Process) -> bool:
 
 @pytest.fixture(scope="module")
 def cluster():
-    """A Ray cluster of 4 nodes on this machine, shut down (and checked) after the module."""
+    """A Ray cluster of 4 nodes on this machine at Ray's default health-check settings
+    (node loss must be seen by the job itself), shut down (and checked) after the module."""
     c = ray_cluster_utils.Cluster(
         initialize_head=True,
         head_node_args={
             "num_cpus": 0,
             "include_dashboard": False,
-            "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 4},
         },
     )
     try:
