@@ -13,7 +13,9 @@ Measured: from the fault to the moment every rank has (re)entered the
 training function at world size 4 again (the ``start`` events the script
 writes). Then Ctrl-C ends the job. The Ray cluster is a
 ``ray.cluster_utils.Cluster`` on this machine (a head node without CPUs and
-three one-CPU nodes); a removed node is replaced before the next trial.
+three one-CPU nodes) at Ray's default health-check settings (the job sees a
+node loss through its agents' heartbeat links, not Ray's); a removed node is
+replaced before the next trial.
 
     .venv/bin/python benchmarks/ray_failover.py --trials 3
 """
