@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import statistics
@@ -112,7 +113,7 @@ class Job:
         """Injects ``fault`` and returns the seconds until all 4 ranks run at world size 4."""
         progress = self.step()
         self.wait(lambda: self.step() >= progress + 10, 120, "progress")
-        t0 = time.time()
+        t0 = self.faulted_at = time.time()
         fault()
         self.wait(lambda: len(self.starts(t0)) == 4, 180, "full world size")
         return max(self.starts(t0).values()) - t0
@@ -157,7 +158,10 @@ def trial(backend: str, cluster, tmp: Path) -> dict[str, float]:
                     os.kill(local_pid(workers[w]["pid"]), signal.SIGKILL)
 
         node = job.full_size_after(node_loss)
-        return {"worker_loss_s": worker, "node_loss_s": node}
+        # when the controller declared the node lost (its clock is this machine's)
+        lost = [e["time"] for e in job.state()["events"] if e["kind"] == "node_lost"]
+        seen = lost[-1] - job.faulted_at if lost else float("nan")
+        return {"worker_loss_s": worker, "node_loss_s": node, "node_lost_seen_s": seen}
     finally:
         job.stop()
 
@@ -194,12 +198,13 @@ def main() -> int:
                 cluster.add_node(num_cpus=1)
     finally:
         cluster.shutdown()
-    print("\n| backend | worker loss -> full size | node loss -> full size |")
-    print("|---|---:|---:|")
+    print("\n| backend | worker loss -> full size | node loss -> full size | node loss -> seen |")
+    print("|---|---:|---:|---:|")
     for backend, rows in results.items():
         w = summary([r["worker_loss_s"] for r in rows])
         n = summary([r["node_loss_s"] for r in rows])
-        print(f"| {backend} | {w} | {n} |")
+        seen = [r["node_lost_seen_s"] for r in rows if not math.isnan(r["node_lost_seen_s"])]
+        print(f"| {backend} | {w} | {n} | {summary(seen) if seen else '-'} |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1))
     return 0
