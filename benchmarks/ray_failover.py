@@ -136,6 +136,7 @@ def trial(backend: str, cluster, tmp: Path) -> dict[str, float]:
     job = Job(tmp, flags)
     try:
         job.wait(lambda: job.step() >= 10, 180, "training")
+
         def local_pid(pid: int) -> int:
             if backend == "ray":  # slot-qualified in state.json
                 from inprocess.failover.backends.ray import split_worker_pid
