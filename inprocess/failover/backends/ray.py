@@ -16,8 +16,12 @@ Who runs where (all actors in the Ray namespace :data:`NAMESPACE`, named after t
   :class:`RayBackend`, which implements :class:`~inprocess.failover.backends.Backend`
   by calling the agents.
 
-Node loss is seen through Ray: an agent whose actor died (its node or its
-process is gone) or whose node the GCS reports dead. Its workers are then
+Node loss is seen by the controller itself, within about a second or two and
+at Ray's default health-check settings: each agent keeps a TCP heartbeat link
+to the controller (:mod:`.heartbeat`), whose end or silence means the agent is
+gone. Ray's own signs are kept as a backstop: an agent whose actor died, or
+whose node the GCS reports dead (only after Ray's health check, ~15 s at its
+defaults). Its workers are then
 reported as exits with ``lost`` set, which the controller handles as the
 loss of the node (a relaunch on a spare slot, not counted as failures).
 """
@@ -40,6 +44,7 @@ from ..processes import process_start_time
 from ..standby import common_env
 from ..store_server import SpareStoreServer, StoreServer, start_store_server
 from . import ProcessExit, WorkerLaunch
+from .heartbeat import HeartbeatServer, HeartbeatWatch
 from .local import LocalBackend, kill_on_parent_death
 
 log = logging.getLogger(__name__)
@@ -102,6 +107,8 @@ class NodeAgent:
         self._started: dict[int, float] = {}  # pid -> start time, of every worker started here
         self._exits: dict[int, ProcessExit] = {}  # every exit seen here (for exit_of)
         self._unreported: list[ProcessExit] = []
+        # beats from a thread of its own: a busy method of this actor does not silence it
+        self._heartbeat = HeartbeatServer(ray.util.get_node_ip_address())
 
     def where(self) -> dict[str, Any]:
         """This agent's Ray node id, IP address and pid."""
@@ -110,6 +117,7 @@ class NodeAgent:
             "ip": ray.util.get_node_ip_address(),
             "pid": os.getpid(),
             "raylet_pid": os.getppid(),  # Ray workers are children of their node's raylet
+            "heartbeat": list(self._heartbeat.address),
         }
 
     def start(self, launch: WorkerLaunch, env: dict[str, str]) -> tuple[int, float]:
@@ -171,6 +179,7 @@ class NodeAgent:
         self._backend.stop(list(self._started), grace)
         self._collect()
         self._backend.close()
+        self._heartbeat.close()
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
@@ -320,6 +329,7 @@ class RayBackend:
         self.host = ray.get_actor(host_name(self.job_id), namespace=NAMESPACE)
         self._agents: dict[int, Any] = {}
         self._nodes: dict[int, str] = {}  # slot -> Ray node id of its agent
+        self._watches: dict[int, HeartbeatWatch] = {}  # slot -> its agent's heartbeat link
         self._watched: set[int] = set()  # qualified pids of started or attached workers
         self._polls: dict[int, Any] = {}  # slot -> the poll call in flight
         self._lost: list[ProcessExit] = []
@@ -337,6 +347,7 @@ class RayBackend:
             handle, where = ray.get(self.host.agent.remote(slot), timeout=AGENT_START_TIMEOUT + 10)
             self._agents[slot] = handle
             self._nodes[slot] = where["node_id"]
+            self._watch(slot, where)
         return handle
 
     def _existing_agent(self, slot: int) -> Any | None:
@@ -350,7 +361,25 @@ class RayBackend:
             return None
         self._agents[slot] = handle
         self._nodes[slot] = where["node_id"]
+        self._watch(slot, where)
         return handle
+
+    def _watch(self, slot: int, where: dict[str, Any]) -> None:
+        """Opens the heartbeat link to the agent of ``slot`` (replacing an old one)."""
+        old = self._watches.pop(slot, None)
+        if old is not None:
+            old.close()
+        try:
+            self._watches[slot] = HeartbeatWatch((where["heartbeat"][0], where["heartbeat"][1]))
+        except OSError as ex:  # reached its agent through Ray but not directly: Ray's signs only
+            log.warning("no heartbeat link to the agent of node slot %d: %s", slot, ex)
+
+    def _check_heartbeats(self) -> None:
+        """Agents whose heartbeat link ended or fell silent are lost (Ray not asked)."""
+        for slot, watch in list(self._watches.items()):
+            reason = watch.check()
+            if reason is not None:
+                self._lose(slot, f"the agent of node slot {slot}: {reason}")
 
     def _call(self, slot: int, method: str, *args: Any) -> Any:
         return ray.get(getattr(self._agent(slot), method).remote(*args), timeout=CALL_TIMEOUT)
@@ -361,6 +390,9 @@ class RayBackend:
         self._agents.pop(slot, None)
         self._nodes.pop(slot, None)
         self._polls.pop(slot, None)
+        watch = self._watches.pop(slot, None)
+        if watch is not None:
+            watch.close()
         with contextlib.suppress(Exception):
             self.host.forget.remote(slot)
         for pid in sorted(self._watched):
@@ -472,6 +504,7 @@ class RayBackend:
     def wait(self, timeout: float) -> list[ProcessExit]:
         """Polls every agent in use once (one call in flight per agent), up to ``timeout``."""
         deadline = time.monotonic() + timeout
+        self._check_heartbeats()
         self._check_nodes()
         for slot in {split_worker_pid(pid)[0] for pid in self._watched}:
             if slot not in self._polls and slot in self._agents:
@@ -528,3 +561,6 @@ class RayBackend:
 
     def close(self) -> None:
         self._polls.clear()
+        for watch in self._watches.values():
+            watch.close()
+        self._watches.clear()
