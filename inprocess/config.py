@@ -77,6 +77,9 @@ class WrapperConfig:
     completion_timeout: float = _duration()
     last_call_wait: float = _duration()
     termination_grace_time: float = _duration()
+    #: a main thread not back in the Wrapper this long after the restart
+    #: exception was sent (and idle in the kernel) is ended by its monitor process
+    unwind_timeout: float = _duration()
     monitor_process_logfile: str | None = None
     enabled: bool = True
     monitor_process_pidfile: str | None = None
@@ -137,9 +140,7 @@ class WrapperConfig:
         _check_type("terminate", a["terminate"], (Terminate, type(None)), "a Terminate or None")
         default_assignment = a["rank_assignment"] is DEFAULT_RANK_ASSIGNMENT
         if not default_assignment:
-            _check_type(
-                "rank_assignment", a["rank_assignment"], RankAssignment, "a RankAssignment"
-            )
+            _check_type("rank_assignment", a["rank_assignment"], RankAssignment, "a RankAssignment")
         # Each callback's shape says which generation of the API it is written
         # for; mixing them is an error naming the arguments.
         shaped = (*callbacks, "rank_filter", "completion", "terminate")

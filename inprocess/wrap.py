@@ -174,6 +174,10 @@ class Wrapper:
         records: file that restart records are appended to as JSON lines
             (:mod:`inprocess.records`); ``None``: the file named by the
             ``INPROCESS_RECORDS`` environment variable, if set, else none.
+        unwind_timeout: once a restart has begun, a rank whose main thread has
+            not come back to the Wrapper for this long while idle in the kernel
+            (stuck in native code that ignored the abort; never inside
+            ``atomic()``) is ended by its monitor process and recorded as lost.
 
     Callbacks may be written for the usage guide's generation of the API or
     for the newer one (``(frozen_state)``, ``(ctx)``, ``completion``,
@@ -211,6 +215,7 @@ class Wrapper:
         completion: Completion | None = None,
         terminate: Terminate | None = None,
         records: str | os.PathLike[str] | None = None,
+        unwind_timeout: datetime.timedelta = datetime.timedelta(seconds=2),
     ) -> None:
         if abort is _UNSET:
             abort = AbortTorchDistributed()
@@ -520,6 +525,8 @@ class CallWrapper:
                 heartbeat_timeout=c.heartbeat_timeout,
                 hard_timeout=c.hard_timeout,
                 termination_grace_time=c.termination_grace_time,
+                unwind_timeout=c.unwind_timeout,
+                thread_id=threading.get_native_id(),
                 logfile=c.monitor_process_logfile,
                 # A log file asked for gets at least the INFO lines.
                 log_level=min(
@@ -531,6 +538,8 @@ class CallWrapper:
         )
         monitor.start(timeout=c.barrier_timeout)
         cleanup.callback(monitor.shutdown)
+        # A monitor process that dies is replaced, not mistaken for this rank's death.
+        monitor.keep_alive(timeout=c.barrier_timeout, on_restart=self._monitor_restarted)
         self._monitor_process = monitor
         if c.monitor_process_pidfile is not None:
             cleanup.callback(
@@ -560,7 +569,7 @@ class CallWrapper:
             last_call_wait=c.last_call_wait,
             soft_timeout=c.soft_timeout,
             stalled_for=self._watchdog.stalled_for,
-            on_interrupt=self._watchdog.freeze,
+            on_interrupt=self._on_interrupt,
             # a gloo initialization that a faulted peer left waiting (see there)
             on_resend=functools.partial(complete_stranded_gloo_init, threading.get_ident()),
             abort=_gen.as_state_callback(c.abort, c.generation),
@@ -876,6 +885,7 @@ class CallWrapper:
             monitor.disarm()
         except RankShouldRestart:
             monitor.disarm()
+        self._board.write_unwind(0.0)  # back in the Wrapper: the unwind is over
         # Out of the function: the hard clock stands still while this rank only
         # waits for its peers (see inprocess.progress_watchdog).
         self._watchdog.pause()
@@ -1061,6 +1071,30 @@ class CallWrapper:
         raise InternalError(f"{self.identity}: not admitted to the running job in time")
 
     # ---------------------------------------------------------------- completion
+
+    def _on_interrupt(self) -> None:
+        """Under the monitor thread's lock, just before the restart exception is
+        sent: starts the monitor process's bounded-unwind clock."""
+        self._watchdog.freeze()
+        self._board.write_unwind(time.monotonic())
+
+    def _monitor_restarted(self, pid: int, reason: str) -> None:
+        """A fault of the machinery, not of training: recorded, no restart."""
+        log.warning(
+            "%s: monitor process %s; started a new one (pid %d)", self.identity, reason, pid
+        )
+        if self._config.monitor_process_pidfile is not None:
+            with contextlib.suppress(OSError):
+                _write_pidfile(
+                    self._config.monitor_process_pidfile,
+                    self.state.initial_rank,
+                    self._monitor_process,
+                )
+        with contextlib.suppress(Exception):
+            self.store.append(
+                "machinery_faults",
+                f"{self.identity}\tmonitor process {reason}\t{time.time():.3f}\n",
+            )
 
     def _finish(self, current: _Iteration) -> None:
         self._board.write_finished()
