@@ -1,0 +1,111 @@
+"""A rank stuck in native code after the abort is ended in seconds, not at its
+hard timeout; a long native call inside ``atomic()`` is left alone; a monitor
+process that dies is replaced without costing its rank (issues 21 and 25)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+from launcher import Job
+from test_hangs import TIMED, WORLD, ready_after, wait_for
+
+pytestmark = pytest.mark.slow
+
+#: a hard timeout far above what the bounded unwind needs: reaching it fails the test
+HARD = 30.0
+UNWIND = 2.0
+WRAPPER = {**TIMED, "hard_timeout": HARD, "soft_timeout": 20.0, "unwind_timeout": UNWIND}
+RAISER, STUCK = 1, 2
+
+
+def _faults(stuck_kind: str) -> list[dict]:
+    return [
+        {"iteration": 0, "rank": RAISER, "step": 3, "kind": "raise", "others": "allreduce"},
+        {"iteration": 0, "rank": STUCK, "step": 3, "kind": stuck_kind, "others": "allreduce"},
+    ]
+
+
+def _run(tmp_path, stuck_kind: str, **kw):
+    spec = {
+        "wrapper": dict(WRAPPER),
+        "steps": 8,
+        "steps_after_restart": 4,
+        "faults": _faults(stuck_kind),
+        **kw,
+    }
+    with Job("scenario.py", WORLD, tmp_path, spec) as job:
+        result = job.wait(120)
+    fault_time = json.loads((tmp_path / f"fault{RAISER}.json").read_text())["time"]
+    return result, fault_time
+
+
+def check_stuck_rank_ended(output: str) -> None:
+    """What every stuck-rank job shows: the reason, with where the thread waited."""
+    assert "stuck in native code after the abort" in output, output[-4000:]
+
+
+@pytest.mark.timeout(180)
+def test_stuck_rank_is_dropped_well_before_the_hard_timeout(tmp_path):
+    """Without a launcher: rank 2 (every signal blocked, in pause()) is ended by
+    its monitor process after the unwind timeout; the others go on at 3."""
+    result, fault_time = _run(tmp_path, "pause")
+    survivors = [r for r in range(WORLD) if r != STUCK]
+    for rank in survivors:
+        assert result.ranks[rank].returncode == 0, result.describe()
+        returned = result.report(rank)["returned"]
+        assert returned["world"] == 3 and returned["sum"] == 6, result.describe()
+    assert result.ranks[STUCK].returncode == -signal.SIGKILL, result.describe()
+    check_stuck_rank_ended(result.ranks[STUCK].output)
+    delays = ready_after(result, fault_time)
+    assert set(delays) == set(survivors), delays
+    # ended after UNWIND: well before the hard timeout (generous on a loaded machine)
+    assert max(delays.values()) < HARD / 2, delays
+    assert not result.leftovers
+
+
+@pytest.mark.timeout(180)
+def test_long_native_call_inside_atomic_is_not_ended(tmp_path):
+    """Rank 2 sleeps in native code for 2.5x the unwind timeout inside atomic()
+    while rank 1 raises: it is not ended, and the job comes back at full size."""
+    result, _ = _run(tmp_path, "atomic_native", native_seconds=2.5 * UNWIND)
+    for rank in range(WORLD):
+        assert result.ranks[rank].returncode == 0, result.describe()
+        returned = result.report(rank)["returned"]
+        assert returned["world"] == WORLD and returned["sum"] == 10, result.describe()
+        assert "stuck in native code" not in result.ranks[rank].output
+    assert not result.leftovers
+
+
+@pytest.mark.timeout(180)
+def test_sigkilled_monitor_process_is_replaced(tmp_path):
+    """SIGKILL of rank 2's monitor process: a new one is started, no rank is
+    expelled (waits past the heartbeat timeout) and no restart happens."""
+    pidfile = tmp_path / "monitor{rank}.pid"
+    wrapper = {**TIMED, "monitor_process_pidfile": str(pidfile)}
+    spec = {"wrapper": wrapper, "steps": 300, "step_sleep": 0.03}
+    with Job("scenario.py", WORLD, tmp_path, spec) as job:
+        wait_for("started{rank}_0", job)
+        path = tmp_path / "monitor2.pid"
+        old = int(path.read_text())
+        os.kill(old, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            new = int(path.read_text()) if path.exists() else old
+            if new != old:
+                break
+            time.sleep(0.05)
+        assert new != old, "the monitor process was not replaced"
+        result = job.wait(120)
+    for rank in range(WORLD):
+        assert result.ranks[rank].returncode == 0, result.describe()
+        returned = result.report(rank)["returned"]
+        # the exact result, in the first iteration: no restart, nobody expelled
+        assert returned == {"rank": rank, "world": WORLD, "sum": 10.0, "iteration": 0}, (
+            result.describe()
+        )
+    assert "monitor process killed by SIGKILL" in result.ranks[2].output
+    assert not result.leftovers
