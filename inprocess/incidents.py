@@ -10,7 +10,8 @@ seconds) is not named twice.
 
 Each incident has its wall-clock ``time``, ``node``, ``ranks``, ``what``,
 ``recovery`` (seconds from the incident until the job was back in the function
-at the size the next restart brought it to, ``None`` if it never was) and
+at its full size, or, when it never was again (no launcher replaced the rank),
+at the size the next restart brought it to; ``None``: never back) and
 ``work_lost`` (rank-seconds of training not done during that recovery: the
 recovery times the ranks of the job before it; work redone from a checkpoint
 is not known here and not counted). Pure functions of the records: no I/O.
@@ -72,17 +73,22 @@ def build(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         if r.get("type") == "iteration" and r.get("node") is not None
     }
 
-    def recovery(since: float, world: Any) -> tuple[float | None, float | None]:
-        # the first restart that brought the job back after the incident (its
-        # faults or its admission of a relaunched worker)
-        for r in restarts:
-            back = r.get("back_at")
-            if back is not None and back >= since and r["time"] >= since - SAME_DEATH:
-                seconds = round(back - since, 3)
-                size = world if world is not None else r.get("previous_world_size")
-                lost = round(seconds * size, 3) if isinstance(size, int) else None
-                return seconds, lost
-        return None, None
+    def recovery(since: float, size: Any) -> tuple[float | None, float | None]:
+        # back in the function at full size (``size`` ranks) after the incident,
+        # else back at all (a job without a launcher goes on smaller)
+        after = [
+            r
+            for r in restarts
+            if r.get("back_at") is not None
+            and r["back_at"] >= since
+            and r["time"] >= since - SAME_DEATH
+        ]
+        full = [r for r in after if isinstance(size, int) and r.get("world_size", 0) >= size]
+        chosen = (full or after or [None])[0]
+        if chosen is None:
+            return None, None
+        seconds = round(chosen["back_at"] - since, 3)
+        return seconds, round(seconds * size, 3) if isinstance(size, int) else None
 
     incidents: list[dict[str, Any]] = []
     exits: list[tuple[Any, float]] = []
@@ -128,18 +134,15 @@ def build(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             if any(rank == x and abs(t - r["time"]) <= SAME_DEATH for x, t in exits):
                 continue
             node = node_of.get(rank)
-            latency = r.get("latency")
-            size = r.get("previous_world_size")
+            seconds, lost = recovery(r["time"], r.get("previous_world_size"))
             incidents.append(
                 {
                     "time": r["time"],
                     "node": node,
                     "ranks": [rank],
                     "what": describe_fault(fault, node),
-                    "recovery": latency,
-                    "work_lost": round(latency * size, 3)
-                    if latency is not None and isinstance(size, int)
-                    else None,
+                    "recovery": seconds,
+                    "work_lost": lost,
                 }
             )
     incidents.sort(key=lambda i: i["time"])

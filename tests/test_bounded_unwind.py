@@ -109,3 +109,38 @@ def test_sigkilled_monitor_process_is_replaced(tmp_path):
         )
     assert "monitor process killed by SIGKILL" in result.ranks[2].output
     assert not result.leftovers
+
+
+@pytest.mark.timeout(240)
+def test_stuck_rank_is_replaced_under_inprocess_run(tmp_path):
+    """Under inprocess-run (a standby per node): rank 2 stuck in pause() with every
+    signal blocked while rank 1 raises is ended, relaunched, and rejoins: the job is
+    back at full size well before the hard timeout (30 s in examples/train.py), and
+    the report names the stuck rank."""
+    from test_failover_e2e import Launch
+
+    from inprocess import incidents, report
+
+    args = ["--steps", "150", "--stuck-rank", "2", "--raise-rank", "1", "--crash-step", "5"]
+    with Launch(tmp_path, "--standby", "1", script_args=args) as launch:
+        assert launch.proc.wait(200) == 0, (tmp_path / "launcher.log").read_text()[-4000:]
+    records = report.load([launch.state_dir])
+    restarts = [r for r in records if r.get("type") == "restart"]
+    fault = min(r["time"] for r in restarts if r.get("faults"))
+    full = [r for r in restarts if r["joined"] and r["world_size"] == 4 and r["time"] >= fault - 1]
+    assert full, restarts
+    back = full[0]["back_at"] - fault
+    assert back < 15, f"back at full size {back:.1f}s after the fault"
+    exits = [e for e in records if e.get("event") == "worker_exit" and e.get("rank") == 2]
+    assert exits and exits[0]["signal"] == signal.SIGKILL, exits
+    whats = [i["what"] for i in incidents.build(records)]
+    assert "rank 2 on node 1 killed by SIGKILL" in whats, whats
+    stuck = [
+        f
+        for r in restarts
+        for f in r.get("faults") or []
+        if "stuck in native code" in str(f.get("detail"))
+    ]
+    assert stuck, restarts
+    out = tmp_path / "report.json"
+    out.write_text(json.dumps(report.summarize(records)))
