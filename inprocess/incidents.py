@@ -91,7 +91,8 @@ def build(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         return seconds, round(seconds * size, 3) if isinstance(size, int) else None
 
     incidents: list[dict[str, Any]] = []
-    exits: list[tuple[Any, float]] = []
+    #: (rank, time, how it ended, its incident) of each failed worker exit
+    exits: list[tuple[Any, float, str, dict[str, Any]]] = []
     for e in records:
         if e.get("type") != "event":
             continue
@@ -107,7 +108,6 @@ def build(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             )
             what = f"{_on(e.get('rank'), e.get('node'))} {how}"
             ranks = [e.get("rank")]
-            exits.append((e.get("rank"), e["time"]))
         elif name == "node_relaunch":
             what = f"node {e.get('node')} lost"
             if e.get("detail"):
@@ -116,22 +116,30 @@ def build(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         else:
             continue
         seconds, lost = recovery(e["time"], e.get("target"))
-        incidents.append(
-            {
-                "time": e["time"],
-                "node": e.get("node"),
-                "ranks": ranks,
-                "what": what,
-                "recovery": seconds,
-                "work_lost": lost,
-            }
-        )
+        incident = {
+            "time": e["time"],
+            "node": e.get("node"),
+            "ranks": ranks,
+            "what": what,
+            "recovery": seconds,
+            "work_lost": lost,
+        }
+        incidents.append(incident)
+        if name == "worker_exit":
+            exits.append((e.get("rank"), e["time"], how, incident))
     for r in restarts:
         for fault in r.get("faults") or []:
             if fault.get("cause") == "connection":
                 continue  # a consequence of another rank's fault, named there
             rank = fault.get("initial_rank")
-            if any(rank == x and abs(t - r["time"]) <= SAME_DEATH for x, t in exits):
+            same = [
+                (how, i) for x, t, how, i in exits if rank == x and abs(t - r["time"]) <= SAME_DEATH
+            ]
+            if same:
+                # the same death; the restart may know why (its monitor ended it)
+                if str(fault.get("detail") or "").startswith("stuck in native code"):
+                    how, incident = same[0]
+                    incident["what"] = f"{describe_fault(fault, incident['node'])} ({how})"
                 continue
             node = node_of.get(rank)
             seconds, lost = recovery(r["time"], r.get("previous_world_size"))

@@ -51,6 +51,19 @@ def _records():
             ],
             latency=2.3,
         ),
+        # under a launcher: the stuck rank's exit, and the restart that says why
+        event("worker_exit", T0 + 25, rank=1, node=0, returncode=None, signal=9, target=4),
+        _restart(
+            T0 + 25.01,
+            [
+                {
+                    "initial_rank": 1,
+                    "cause": "terminated",
+                    "detail": "stuck in native code after the abort, ended after 2.1s",
+                }
+            ],
+            latency=0.3,
+        ),
         event("node_relaunch", T0 + 30, node=1, slot=2, detail="slot 1 -> 2, workers [2, 3]"),
         _restart(T0 + 31, [], joined=[2, 3], latency=0.2),
         event("job_end", T0 + 40, returncode=0),
@@ -63,9 +76,10 @@ def test_incidents_in_words():
     assert whats == [
         "rank 2 on node 1 killed by SIGKILL",  # the restart's "process died" is the same death
         "rank 3 on node 1 stuck in native code, ended after 2.0 s",
+        "rank 1 on node 0 stuck in native code, ended after 2.1 s (killed by SIGKILL)",
         "node 1 lost (relaunched: slot 1 -> 2, workers [2, 3])",
     ]
-    kill, stuck, node = found
+    kill, stuck, _, node = found
     assert kill["time"] == T0 + 10 and kill["node"] == 1 and kill["ranks"] == [2]
     # back at full size once the relaunched rank joined: 1.1 s x 4 ranks
     assert kill["recovery"] == 1.1 and kill["work_lost"] == 4.4
@@ -78,7 +92,7 @@ def test_report_prints_incidents_and_json_has_them(tmp_path, capsys):
     path.write_text("".join(json.dumps(r) + "\n" for r in _records()))
     assert report.main([str(path)]) == 0
     text = capsys.readouterr().out
-    assert "incidents (3):" in text
+    assert "incidents (4):" in text
     assert "+   10.00 s  rank 2 on node 1 killed by SIGKILL; back after 1.10 s" in text
     assert "stuck in native code, ended after 2.0 s" in text and "node 1 lost" in text
     assert "restarts:" in text or "restarts" in text  # the totals stay
@@ -87,4 +101,4 @@ def test_report_prints_incidents_and_json_has_them(tmp_path, capsys):
     assert [i["what"] for i in data["incidents"]] == [
         i["what"] for i in incidents.build(_records())
     ]
-    assert data["restarts"] == 4
+    assert data["restarts"] == 5
