@@ -14,7 +14,8 @@ at its full size, or, when it never was again (no launcher replaced the rank),
 at the size the next restart brought it to; ``None``: never back) and
 ``work_lost`` (rank-seconds of training not done during that recovery: the
 recovery times the ranks of the job before it; work redone from a checkpoint
-is not known here and not counted). Pure functions of the records: no I/O.
+is not known here and not counted), and the recorded ``detail`` (for a stuck
+rank: where its thread waited). Pure functions of the records: no I/O.
 """
 
 from __future__ import annotations
@@ -140,6 +141,7 @@ def build(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                 if str(fault.get("detail") or "").startswith("stuck in native code"):
                     how, incident = same[0]
                     incident["what"] = f"{describe_fault(fault, incident['node'])} ({how})"
+                    incident["detail"] = fault.get("detail")
                 continue
             node = node_of.get(rank)
             seconds, lost = recovery(r["time"], r.get("previous_world_size"))
@@ -149,6 +151,7 @@ def build(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                     "node": node,
                     "ranks": [rank],
                     "what": describe_fault(fault, node),
+                    "detail": fault.get("detail"),
                     "recovery": seconds,
                     "work_lost": lost,
                 }
