@@ -209,13 +209,13 @@ class Wrapper:
         completion_timeout: datetime.timedelta = datetime.timedelta(seconds=120),
         last_call_wait: datetime.timedelta = datetime.timedelta(seconds=1),
         termination_grace_time: datetime.timedelta = datetime.timedelta(seconds=5),
+        unwind_timeout: datetime.timedelta = datetime.timedelta(seconds=2),
         monitor_process_logfile: str | None = None,
         enabled: bool = True,
         monitor_process_pidfile: str | None = None,
         completion: Completion | None = None,
         terminate: Terminate | None = None,
         records: str | os.PathLike[str] | None = None,
-        unwind_timeout: datetime.timedelta = datetime.timedelta(seconds=2),
     ) -> None:
         if abort is _UNSET:
             abort = AbortTorchDistributed()
