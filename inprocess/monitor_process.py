@@ -266,8 +266,10 @@ class MonitorProcess:
         thread polls the child every ``interval`` and starts a new one (a fresh
         interpreter: other threads run now) with the same board; the rank's
         training goes on untouched. ``on_restart(pid, reason)`` is called after.
-        Invariant: ``_lock`` serializes the restart with :meth:`shutdown`, and
-        nothing is restarted once shutdown has begun.
+        Invariant: :meth:`shutdown` first stops and joins this thread, so a
+        restart under way completes before the process is shut down and nothing
+        is restarted once shutdown has begun; ``_lock`` guards the handle's
+        fields against any other caller.
         """
         self._keeper_stop = threading.Event()
         self._lock = threading.Lock()
