@@ -268,8 +268,8 @@ class MonitorProcess:
         training goes on untouched. ``on_restart(pid, reason)`` is called after.
         Invariant: :meth:`shutdown` first stops and joins this thread, so a
         restart under way completes before the process is shut down and nothing
-        is restarted once shutdown has begun; ``_lock`` guards the handle's
-        fields against any other caller.
+        is restarted once shutdown has begun (the stop flag is read under
+        ``_lock`` before each restart).
         """
         self._keeper_stop = threading.Event()
         self._lock = threading.Lock()
