@@ -20,8 +20,9 @@ number the child reuses). Otherwise it is started as a fresh interpreter
   the current membership (a ring), declaring a rank terminated when its counter
   has not changed for ``heartbeat_timeout`` as seen by this process's clock, so
   clocks of different hosts are never compared;
-* bounds the unwind: once the restart exception was sent (the board's unwind
-  word, written outside ``atomic()`` only), a main thread that has not come
+* bounds the unwind: once the restart exception was sent and the abort has
+  run (the board's unwind word, written then, outside ``atomic()`` only), a
+  main thread that has not come
   back to the Wrapper for ``unwind_timeout`` while idle in the kernel (it used
   no CPU: stuck in a native call that ignored the abort, not computing) is
   SIGKILLed and recorded as "stuck in native code after the abort" with where
@@ -429,8 +430,8 @@ class _Guardian:
     def enforce_unwind_deadline(self, now: float) -> None:
         """Ends a rank whose main thread sleeps in the kernel instead of unwinding.
 
-        The clock runs from when the restart exception was sent (never inside
-        ``atomic()``: the monitor thread sends it only outside) and is reset
+        The clock runs from when the abort that follows the restart exception
+        has run (never inside ``atomic()``: the monitor thread sends it only outside) and is reset
         whenever the thread used CPU for at least half of a check's interval: a
         thread computing in a slow native call is not stuck, and comes back.
         """

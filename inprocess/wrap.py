@@ -569,10 +569,12 @@ class CallWrapper:
             last_call_wait=c.last_call_wait,
             soft_timeout=c.soft_timeout,
             stalled_for=self._watchdog.stalled_for,
-            on_interrupt=self._on_interrupt,
+            on_interrupt=self._watchdog.freeze,
             # a gloo initialization that a faulted peer left waiting (see there)
             on_resend=functools.partial(complete_stranded_gloo_init, threading.get_ident()),
-            abort=_gen.as_state_callback(c.abort, c.generation),
+            abort=functools.partial(
+                self._abort_then_time_unwind, _gen.as_state_callback(c.abort, c.generation)
+            ),
             interrupt=self._interrupt,
         )
         self._monitor.start()
@@ -1072,11 +1074,16 @@ class CallWrapper:
 
     # ---------------------------------------------------------------- completion
 
-    def _on_interrupt(self) -> None:
-        """Under the monitor thread's lock, just before the restart exception is
-        sent: starts the monitor process's bounded-unwind clock."""
-        self._watchdog.freeze()
-        self._board.write_unwind(time.monotonic())
+    def _abort_then_time_unwind(self, abort: Callable[[Any], Any] | None, state: Any) -> Any:
+        """The abort (monitor thread, under its lock, right after the restart
+        exception was sent), then the start of the monitor process's
+        bounded-unwind clock: the main thread cannot come back before the abort
+        is done (it needs the lock), and the abort is what releases it, so its
+        duration, however long, never counts against the rank."""
+        try:
+            return abort(state) if abort is not None else None
+        finally:
+            self._board.write_unwind(time.monotonic())
 
     def _monitor_restarted(self, pid: int, reason: str) -> None:
         """A fault of the machinery, not of training: recorded, no restart."""
