@@ -92,7 +92,9 @@ ms = datetime.timedelta(milliseconds=1)
     heartbeat_timeout=datetime.timedelta(seconds=10),
     barrier_timeout=datetime.timedelta(seconds=120),
     termination_grace_time=datetime.timedelta(seconds=1),
-    initialize=inprocess.initialize.RetryController(max_iterations=100),
+    # under a launcher every lost worker costs two iterations (going on without
+    # it, admitting its replacement): room for a long run of kills
+    initialize=inprocess.initialize.RetryController(max_iterations=1000),
 )
 def train(call_wrapper: inprocess.CallWrapper | None = None) -> dict[str, object]:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
