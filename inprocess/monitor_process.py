@@ -143,6 +143,8 @@ class MonitorProcess:
         self.config = config
         self.board = board
         self.process: subprocess.Popen[bytes] | _ForkedChild | None = None
+        #: pid of the latest process started (a replaced one's too, see keep_alive)
+        self.last_pid: int | None = None
         self.forked = False
         self._control_w: int | None = None
         self._ready_r: int | None = None
@@ -225,6 +227,7 @@ class MonitorProcess:
                 os._exit(code)
         self.forked = True
         self.process = _ForkedChild(pid)
+        self.last_pid = pid
 
     def _spawn(self, fds: _Fds) -> None:
         try:
@@ -253,6 +256,7 @@ class MonitorProcess:
         process.stdin.write(payload)
         process.stdin.close()
         self.process = process
+        self.last_pid = process.pid
 
     def is_alive(self) -> bool:
         return self.process is not None and self.process.poll() is None

@@ -1195,7 +1195,8 @@ def _write_pidfile(template: str, rank: int, monitor: MonitorProcess) -> Callabl
     def remove() -> None:
         with contextlib.suppress(OSError):
             with open(path) as f:
-                if f.read().strip() != str(pid):
+                # this call's monitor, or its replacement (MonitorProcess.keep_alive)
+                if f.read().strip() not in (str(pid), str(monitor.last_pid)):
                     return  # another call's monitor now
             os.unlink(path)
 

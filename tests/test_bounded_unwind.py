@@ -124,6 +124,7 @@ def test_sigkilled_monitor_process_is_replaced(tmp_path):
             result.describe()
         )
     assert "monitor process killed by SIGKILL" in result.ranks[2].output
+    assert not path.exists(), "the replacement's pid file was left behind"
     assert not result.leftovers
 
 
