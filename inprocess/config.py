@@ -140,7 +140,9 @@ class WrapperConfig:
         _check_type("terminate", a["terminate"], (Terminate, type(None)), "a Terminate or None")
         default_assignment = a["rank_assignment"] is DEFAULT_RANK_ASSIGNMENT
         if not default_assignment:
-            _check_type("rank_assignment", a["rank_assignment"], RankAssignment, "a RankAssignment")
+            _check_type(
+                "rank_assignment", a["rank_assignment"], RankAssignment, "a RankAssignment"
+            )
         # Each callback's shape says which generation of the API it is written
         # for; mixing them is an error naming the arguments.
         shaped = (*callbacks, "rank_filter", "completion", "terminate")

@@ -37,3 +37,4 @@ def test_chaos(tmp_path, seed):
     print(result.summary())
     assert result.ok, result.summary()
     assert result.faults, "the run injected no fault"
+

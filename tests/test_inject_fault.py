@@ -37,9 +37,7 @@ def test_every_rank_draws_the_same_victims(monkeypatch):
     other = victims(monkeypatch, 16, faults=kinds, num_faults=3, keep_alive=2, seed=8)
     assert other != first  # a different seed, a different draw (for these seeds)
     assert victims(monkeypatch, 4, faults=kinds, num_faults=9, keep_alive=1, seed=0).keys() == {
-        1,
-        2,
-        3,
+        1, 2, 3
     }
 
 

@@ -48,18 +48,17 @@ time.sleep(float(os.environ.get("TEST_LINGER", 0)))
 """
 
 #: prints one line to stdout and one to stderr, naming its rank and what it was given
-HELLO = (
-    """\
+HELLO = """\
 import os, sys
 rank = os.environ["RANK"]
 print(f"out rank {rank} port {os.environ['MASTER_PORT']} args {sys.argv[1:]}")
 print(f"err rank {rank}", file=sys.stderr)
-"""
-    + RECORD
-)
+""" + RECORD
 
 
-def launch(tmp: Path, *flags: str, env: dict[str, str] = ENV) -> subprocess.CompletedProcess[str]:
+def launch(
+    tmp: Path, *flags: str, env: dict[str, str] = ENV
+) -> subprocess.CompletedProcess[str]:
     """Runs one job to its end; its stdout and stderr as text."""
     return subprocess.run(
         [*RUN, "--state-dir", str(tmp / "state"), "--monitor-interval", "0.05", *flags],

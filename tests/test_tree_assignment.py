@@ -117,11 +117,9 @@ def check_step(
     for hole, mover in new.backfills:
         assert hole in holes and hole not in filled
         # The mover was active, or took another lost rank's place from the reserve.
-        was = (
-            prev.ranks[mover]
-            if mover not in filled.values()
-            else holes[next(h for h, r in filled.items() if r == mover)]
-        )
+        was = prev.ranks[mover] if mover not in filled.values() else holes[
+            next(h for h, r in filled.items() if r == mover)
+        ]
         assert mover in filled.values() or was < prev.active_world_size
         assert was > holes[hole], "a backfill moved a rank up"
         top = t.depth - t.backfill_levels
@@ -412,7 +410,8 @@ def test_every_rank_reaches_the_same_assignment_and_retries_from_the_same_base()
     def ctxs(states: dict[int, State], iteration: int, attempt: int, terminated: set[int]):
         store = PrefixStore(f"iter/{iteration}/barrier/{attempt}/assignment", raw)
         return {
-            s.rank: RankAssignmentCtx(s.copy(), store, set(terminated)) for s in states.values()
+            s.rank: RankAssignmentCtx(s.copy(), store, set(terminated))
+            for s in states.values()
         }
 
     launch = {r: State(rank=r, world_size=n) for r in range(n)}

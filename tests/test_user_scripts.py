@@ -156,10 +156,7 @@ def test_gloo_init_left_waiting_by_a_peer_is_released(tmp_path):
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     proc = subprocess.run(
         [sys.executable, str(WORKERS / "stranded_gloo_init.py"), str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=200,
+        env=env, capture_output=True, text=True, timeout=200,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     attempts = json.loads(out.read_text())
@@ -216,14 +213,8 @@ def test_abort_keeps_the_functions_store_server_and_never_takes_a_port(monkeypat
 
     monkeypatch.setattr(user_rendezvous, "_baseline", set(user_rendezvous.socket_inodes()))
     port = free_port()
-    user = dist.TCPStore(
-        "127.0.0.1",
-        port,
-        is_master=True,
-        multi_tenant=True,
-        wait_for_workers=False,
-        timeout=datetime.timedelta(seconds=5),
-    )
+    user = dist.TCPStore("127.0.0.1", port, is_master=True, multi_tenant=True,
+                         wait_for_workers=False, timeout=datetime.timedelta(seconds=5))
     plain = socket.socket()  # a listener that is no store server (like gloo's)
     plain.bind(("127.0.0.1", 0))
     plain.listen()
@@ -233,9 +224,8 @@ def test_abort_keeps_the_functions_store_server_and_never_takes_a_port(monkeypat
         assert sorted(listening_sockets().values()) == sorted(before.values())  # no new listener
         user.set("key", "value")
         del user  # the function's store is gone, its server is not
-        client = dist.TCPStore(
-            "127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=5)
-        )
+        client = dist.TCPStore("127.0.0.1", port, is_master=False,
+                               timeout=datetime.timedelta(seconds=5))
         assert client.get("key") == b"value"
         del client
     finally:

@@ -221,7 +221,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             from .ray_driver import connect, parse_bundle
         except ImportError as ex:
-            return _error(f"--backend ray needs Ray: pip install 'inprocess[ray]' ({ex})")
+            return _error(
+                f"--backend ray needs Ray: pip install 'inprocess[ray]' ({ex})"
+            )
         try:
             bundle = parse_bundle(args.ray_bundle)
         except ValueError as ex:
@@ -445,7 +447,8 @@ def _check_launch_flags(args: argparse.Namespace) -> str | None:
     if args.no_python:
         if shutil.which(args.script) is None:
             return (
-                f"--no-python: {args.script!r} is neither a command on PATH nor an executable file"
+                f"--no-python: {args.script!r} is neither a command on PATH "
+                "nor an executable file"
             )
         return None
     if not Path(args.script).is_file():

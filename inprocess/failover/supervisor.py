@@ -51,8 +51,6 @@ GUARD_GRACE = 15.0
 
 def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(None, use_errno=True)
-
-
 #: a controller stopped (SIGSTOP) this long is hung: it is killed and replaced
 CONTROLLER_STOP_GRACE = 5.0
 

@@ -60,7 +60,9 @@ class RankAssignment(abc.ABC):
         raise NotImplementedError
 
 
-def _in_ctx(assignment: Any, ctx: RankAssignmentCtx) -> RankAssignmentCtx:
+def _in_ctx(
+    assignment: Any, ctx: RankAssignmentCtx
+) -> RankAssignmentCtx:
     """Runs a guide-shaped ``assignment(state, terminated_ranks)`` on a newer-generation ctx.
 
     The built-in assignments serve both generations: called with one

@@ -450,7 +450,9 @@ def next_assignment(
     # (4) shift: the gaps left close up.
     if None in active_leaves:
         active_leaves = [x for x in active_leaves if x is not None]
-    return _finish(status, active_leaves, world_size_filter, tuple(reserve_fills), tuple(backfills))
+    return _finish(
+        status, active_leaves, world_size_filter, tuple(reserve_fills), tuple(backfills)
+    )
 
 
 def _checked_layers(layers: Sequence[Layer]) -> tuple[Layer, ...]:
@@ -581,7 +583,9 @@ def _finish(
             status[leaf] = _INACTIVE
         del active_leaves[wanted:]
     world_size = len(status) - status.count(_TERMINATED)
-    return TreeAssignment(bytes(status), tuple(active_leaves), world_size, reserve_fills, backfills)
+    return TreeAssignment(
+        bytes(status), tuple(active_leaves), world_size, reserve_fills, backfills
+    )
 
 
 # ---------------------------------------------------------------- the callback
@@ -746,11 +750,7 @@ class Tree(RankAssignment):
         record = json.dumps([state.rank, state.initial_rank, keys])  # one line
         count = state.world_size - len(terminated)
         lines = store.all_gather_lines(
-            prefix,
-            str(state.rank),
-            record,
-            count,
-            self.timeout,
+            prefix, str(state.rank), record, count, self.timeout,
             min(0.05, max(0.005, count * 5e-6)),
         )
         records = sorted(json.loads(line) for line in lines)

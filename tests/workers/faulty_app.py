@@ -96,11 +96,7 @@ def train(call_wrapper: inprocess.CallWrapper | None = None) -> int:
     if faults_left and KIND.startswith("inject-"):
         kind = Fault.KILL if KIND == "inject-kill" else Fault.TERM
         injector = inject_fault(
-            [kind],
-            num_faults=1,
-            keep_alive=1,
-            delay=0.1 + 0.2 * rng.random(),
-            seed=iteration,
+            [kind], num_faults=1, keep_alive=1, delay=0.1 + 0.2 * rng.random(), seed=iteration,
             callback=lambda *_: record("fault", iteration=iteration, kind=KIND),
         )
     external = KIND.startswith("inject-")
