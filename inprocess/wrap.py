@@ -174,8 +174,9 @@ class Wrapper:
         records: file that restart records are appended to as JSON lines
             (:mod:`inprocess.records`); ``None``: the file named by the
             ``INPROCESS_RECORDS`` environment variable, if set, else none.
-        unwind_timeout: once a restart has begun, a rank whose main thread has
-            not come back to the Wrapper for this long while idle in the kernel
+        unwind_timeout: once a restart has begun (the restart exception sent,
+            the abort run), a rank whose main thread has not come back to the
+            Wrapper for this long while idle in the kernel
             (stuck in native code that ignored the abort; never inside
             ``atomic()``) is ended by its monitor process and recorded as lost.
 
