@@ -22,6 +22,7 @@ import datetime
 import logging
 import os
 import random
+import signal
 import time
 from pathlib import Path
 
@@ -43,6 +44,14 @@ parser.add_argument("--crash-times", type=int, default=0, help="... this many ti
 parser.add_argument(
     "--crash-step", type=int, default=3, help="steps after its start before it crashes"
 )
+parser.add_argument(
+    "--stuck-rank",
+    type=int,
+    default=-1,
+    help="at --crash-step, once, this RANK blocks every signal and waits in pause() (native"
+    " code that ignores the abort) while --raise-rank raises",
+)
+parser.add_argument("--raise-rank", type=int, default=-1)
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument(
     "--stop-file",
@@ -83,7 +92,9 @@ ms = datetime.timedelta(milliseconds=1)
     heartbeat_timeout=datetime.timedelta(seconds=10),
     barrier_timeout=datetime.timedelta(seconds=120),
     termination_grace_time=datetime.timedelta(seconds=1),
-    initialize=inprocess.initialize.RetryController(max_iterations=100),
+    # under a launcher every lost worker costs two iterations (going on without
+    # it, admitting its replacement): room for a long run of kills
+    initialize=inprocess.initialize.RetryController(max_iterations=1000),
 )
 def train(call_wrapper: inprocess.CallWrapper | None = None) -> dict[str, object]:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
@@ -107,6 +118,19 @@ def train(call_wrapper: inprocess.CallWrapper | None = None) -> dict[str, object
             (args.result_dir / f"crashes{RANK}").write_text(str(crashes_so_far() + 1))
             JOB.record("fault", fault="crash", step=step)
             os._exit(3)
+        if (
+            RANK in (args.stuck_rank, args.raise_rank)
+            and step - started_at == args.crash_step
+            and not (args.result_dir / f"stuck_done{RANK}").exists()
+        ):
+            (args.result_dir / f"stuck_done{RANK}").touch()
+            JOB.record(
+                "fault", fault="stuck" if RANK == args.stuck_rank else "exception", step=step
+            )
+            if RANK == args.raise_rank:
+                raise RuntimeError(f"injected fault at step {step}")
+            signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+            signal.pause()
         time.sleep(args.step_time)  # the "forward and backward pass"
         # the gradient, and rank 0's "stop now" riding on the same all-reduce so
         # that every rank ends at the same step

@@ -77,6 +77,10 @@ class WrapperConfig:
     completion_timeout: float = _duration()
     last_call_wait: float = _duration()
     termination_grace_time: float = _duration()
+    #: a main thread not back in the Wrapper this long after the restart
+    #: exception was sent and the abort ran (and idle in the kernel) is ended
+    #: by its monitor process
+    unwind_timeout: float = _duration()
     monitor_process_logfile: str | None = None
     enabled: bool = True
     monitor_process_pidfile: str | None = None

@@ -20,6 +20,13 @@ number the child reuses). Otherwise it is started as a fresh interpreter
   the current membership (a ring), declaring a rank terminated when its counter
   has not changed for ``heartbeat_timeout`` as seen by this process's clock, so
   clocks of different hosts are never compared;
+* bounds the unwind: once the restart exception was sent and the abort has
+  run (the board's unwind word, written then, outside ``atomic()`` only), a
+  main thread that has not come
+  back to the Wrapper for ``unwind_timeout`` while idle in the kernel (it used
+  no CPU: stuck in a native call that ignored the abort, not computing) is
+  SIGKILLed and recorded as "stuck in native code after the abort" with where
+  it waits (``wchan``, system call), so the other ranks go on without it;
 * exits when its rank's Wrapper call ends, or right after reporting its rank's
   death, and a deadline bounds that report, so it never outlives its job.
 """
@@ -75,6 +82,10 @@ class MonitorConfig:
     termination_grace_time: float
     logfile: str | None
     log_level: int = logging.INFO
+    #: see the module docstring; 0 disables the bounded unwind
+    unwind_timeout: float = 0.0
+    #: native id of the thread running the Wrapper call (0: the process's main thread)
+    thread_id: int = 0
     env: dict[str, str] = field(default_factory=dict)
 
 
@@ -132,6 +143,8 @@ class MonitorProcess:
         self.config = config
         self.board = board
         self.process: subprocess.Popen[bytes] | _ForkedChild | None = None
+        #: pid of the latest process started (a replaced one's too, see keep_alive)
+        self.last_pid: int | None = None
         self.forked = False
         self._control_w: int | None = None
         self._ready_r: int | None = None
@@ -214,6 +227,7 @@ class MonitorProcess:
                 os._exit(code)
         self.forked = True
         self.process = _ForkedChild(pid)
+        self.last_pid = pid
 
     def _spawn(self, fds: _Fds) -> None:
         try:
@@ -242,12 +256,76 @@ class MonitorProcess:
         process.stdin.write(payload)
         process.stdin.close()
         self.process = process
+        self.last_pid = process.pid
 
     def is_alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
+    def keep_alive(
+        self, timeout: float, on_restart: Callable[[int, str], None] | None = None
+    ) -> None:
+        """Replaces the monitor process whenever it dies before :meth:`shutdown`.
+
+        A dead monitor sends no heartbeats: without this its healthy rank would
+        be declared terminated by its peers after ``heartbeat_timeout``. A
+        thread polls the child every ``interval`` and starts a new one (a fresh
+        interpreter: other threads run now) with the same board; the rank's
+        training goes on untouched. ``on_restart(pid, reason)`` is called after.
+        Invariant: :meth:`shutdown` first stops and joins this thread, so a
+        restart under way completes before the process is shut down and nothing
+        is restarted once shutdown has begun (the stop flag is read under
+        ``_lock`` before each restart).
+        """
+        self._keeper_stop = threading.Event()
+        self._lock = threading.Lock()
+
+        def keep() -> None:
+            while not self._keeper_stop.wait(self.config.interval):
+                with self._lock:
+                    if self._keeper_stop.is_set() or self.process is None:
+                        return
+                    code = self.process.poll()
+                    if code is None:
+                        continue
+                    reason = (
+                        f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited {code}"
+                    )
+                    log.warning(
+                        "monitor process %d %s: starting a new one", self.process.pid, reason
+                    )
+                    self.process = None
+                    for fd in (self._control_w, self._ready_r):
+                        if fd is not None:
+                            with contextlib.suppress(OSError):
+                                os.close(fd)
+                    self._control_w = self._ready_r = None
+                    try:
+                        self.start(timeout)
+                    except Exception:
+                        log.exception("cannot restart the monitor process")
+                        return
+                    pid = self.process.pid if self.process is not None else -1
+                if on_restart is not None:
+                    try:
+                        on_restart(pid, reason)
+                    except Exception:
+                        log.exception("on_restart failed")
+
+        self._keeper = threading.Thread(target=keep, name="inprocess-monitor-keeper", daemon=True)
+        self._keeper.start()
+
+    def _stop_keeper(self) -> None:
+        keeper = getattr(self, "_keeper", None)
+        if keeper is None:
+            return
+        self._keeper_stop.set()
+        if keeper is not threading.current_thread():
+            keeper.join()
+        self._keeper = None
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """Tells the monitor that this rank is done, and waits for it to exit."""
+        self._stop_keeper()
         if self._control_w is not None:
             with contextlib.suppress(OSError):
                 os.write(self._control_w, _SHUTDOWN)
@@ -289,6 +367,11 @@ class _Guardian:
         self.peer_seen: dict[str, tuple[int, float]] = {}
         self.membership_iteration = -1
         self.peers: list[str] = []
+        tid = config.thread_id or config.parent_pid
+        self.task_dir = f"/proc/{config.parent_pid}/task/{tid}"
+        #: (unwind start seen, last time the thread was seen busy, its CPU ticks then)
+        self.unwind: tuple[float, float, int] | None = None
+        self.stuck_reason: str | None = None
 
     def connect(self) -> None:
         from .store import PrefixStore
@@ -315,6 +398,7 @@ class _Guardian:
                 self.on_parent_exit()
                 return
             now = time.monotonic()
+            self.enforce_unwind_deadline(now)
             self.enforce_hard_timeout(now)
             try:
                 if now >= self.next_heartbeat:
@@ -333,7 +417,9 @@ class _Guardian:
         if finished:
             log.info("rank %s finished and exited", self.config.identity)
             return
-        if self.kill_started is not None:
+        if self.stuck_reason is not None:
+            reason = self.stuck_reason
+        elif self.kill_started is not None:
             reason = (
                 f"killed by the hard timeout ({self.config.hard_timeout:.3g}s without progress)"
             )
@@ -344,6 +430,47 @@ class _Guardian:
             self.store.mark_terminated(self.config.identity, reason)
         except Exception as ex:
             log.error("cannot record the death of rank %s: %s", self.config.identity, ex)
+
+    def enforce_unwind_deadline(self, now: float) -> None:
+        """Ends a rank whose main thread sleeps in the kernel instead of unwinding.
+
+        The clock runs from when the abort that follows the restart exception
+        has run (never inside ``atomic()``: the monitor thread sends it only outside) and is reset
+        whenever the thread used CPU for at least half of a check's interval: a
+        thread computing in a slow native call is not stuck, and comes back.
+        """
+        started = self.board.unwind_started()
+        if not started or self.config.unwind_timeout <= 0 or self.stuck_reason is not None:
+            self.unwind = None
+            return
+        cpu = _cpu_ticks(self.task_dir)
+        if self.unwind is None or self.unwind[0] != started:
+            self.unwind = (started, max(started, now - self.config.interval), cpu)
+            return
+        _, busy_at, last_cpu = self.unwind
+        ticks = os.sysconf("SC_CLK_TCK")
+        if cpu - last_cpu >= 0.5 * self.config.interval * ticks:
+            self.unwind = (started, now, cpu)
+            return
+        self.unwind = (started, busy_at, last_cpu)
+        idle = now - max(started, busy_at)
+        if idle < self.config.unwind_timeout:
+            return
+        where = _thread_location(self.task_dir)
+        self.stuck_reason = (
+            f"stuck in native code after the abort{where}, ended after {now - started:.1f}s"
+        )
+        log.warning(
+            "rank %s: main thread not back in the Wrapper %.2fs after the restart began%s:"
+            " killing process %d",
+            self.config.identity,
+            now - started,
+            where,
+            self.config.parent_pid,
+        )
+        # Its signals may be blocked (and SIGTERM's handlers cannot run in a
+        # thread stuck in C): only SIGKILL ends it.
+        _send(self.config.parent_pid, signal.SIGCONT, signal.SIGKILL)
 
     def enforce_hard_timeout(self, now: float) -> None:
         _, _, _, _, finished = self.board.read()
@@ -405,6 +532,42 @@ def _ring_successors(members: list[str], identity: str, count: int) -> list[str]
     index = members.index(identity)
     n = len(members)
     return [members[(index + k) % n] for k in range(1, min(count, n - 1) + 1)]
+
+
+#: x86-64 numbers of the system calls a stuck thread is usually found in
+_SYSCALLS = {
+    0: "read", 1: "write", 7: "poll", 23: "select", 34: "pause", 35: "nanosleep",
+    44: "sendto", 45: "recvfrom", 46: "sendmsg", 47: "recvmsg", 61: "wait4",
+    202: "futex", 230: "clock_nanosleep", 232: "epoll_wait", 270: "pselect6",
+    271: "ppoll", 281: "epoll_pwait",
+}  # fmt: skip
+
+
+def _cpu_ticks(task_dir: str) -> int:
+    """The thread's user + system CPU time in clock ticks (0 if unreadable)."""
+    try:
+        with open(f"{task_dir}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def _thread_location(task_dir: str) -> str:
+    """Where the thread waits, as far as /proc tells cheaply (may be restricted)."""
+    parts = []
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        with open(f"{task_dir}/syscall") as f:
+            first = f.read().split()[0]
+        if first not in ("running", "-1"):
+            number = int(first)
+            parts.append(f"in system call {_SYSCALLS.get(number, number)}")
+    with contextlib.suppress(OSError):
+        with open(f"{task_dir}/wchan") as f:
+            wchan = f.read().strip()
+        if wchan and wchan != "0":
+            parts.append(f"wchan {wchan}")
+    return f" ({', '.join(parts)})" if parts else ""
 
 
 def _send(pid: int, *signals: signal.Signals) -> None:

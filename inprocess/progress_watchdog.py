@@ -91,9 +91,9 @@ class ProgressBoard:
     zeros; they once read as "no progress since boot" and killed a healthy rank.)
     """
 
-    _WORDS = 5
+    _WORDS = 6
     SIZE = _WORDS * 8
-    _AUTO, _MANUAL, _ACTIVE, _ITERATION, _FINISHED = range(_WORDS)
+    _AUTO, _MANUAL, _ACTIVE, _ITERATION, _FINISHED, _UNWIND = range(_WORDS)
 
     def __init__(self, fd: int | None = None) -> None:
         created = fd is None
@@ -118,6 +118,14 @@ class ProgressBoard:
 
     def write_iteration(self, iteration: int) -> None:
         self._ints[self._ITERATION] = iteration
+
+    def write_unwind(self, ts: float) -> None:
+        """When the restart exception was sent to the main thread (0.0: it came back):
+        the monitor process's bounded-unwind clock (see :mod:`inprocess.monitor_process`)."""
+        self._doubles[self._UNWIND] = ts
+
+    def unwind_started(self) -> float:
+        return self._doubles[self._UNWIND]
 
     def write_finished(self) -> None:
         self._ints[self._FINISHED] = 1

@@ -42,6 +42,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from . import incidents as _incidents
 from .records import EVENTS_FILE, RESTARTS_FILE, read_jsonl
 
 PLOT_INSTALL_HINT = "pip install 'inprocess[plot]'   (or: pip install matplotlib)"
@@ -735,6 +736,11 @@ def title_of(s: dict[str, Any]) -> str:
 # --------------------------------------------------------------------------- command
 
 
+def _job_start(records: Sequence[dict[str, Any]]) -> float | None:
+    starts = [r["time"] for r in records if r.get("event") == "job_start"]
+    return starts[0] if starts else (records[0]["time"] if records else None)
+
+
 def main(argv: list[str] | None = None, prog: str = "python -m inprocess.report") -> int:
     p = argparse.ArgumentParser(
         prog=prog,
@@ -758,8 +764,14 @@ def main(argv: list[str] | None = None, prog: str = "python -m inprocess.report"
         print(f"{prog}: no records in {', '.join(args.paths)}", file=sys.stderr)
         return 1
     summary = summarize(records)
+    # every incident in words (see inprocess.incidents), after the totals
+    summary["incidents"] = _incidents.build(records)
     try:
-        print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
+        if args.json:
+            print(json.dumps(summary, indent=2))
+        else:
+            print(format_summary(summary))
+            print(_incidents.format_incidents(summary["incidents"], _job_start(records)))
         if args.plot:
             try:
                 plot(records, args.plot, title_of(summary))

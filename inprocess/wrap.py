@@ -188,6 +188,11 @@ class Wrapper:
             to and :meth:`CallWrapper.restore` falls back to (a cold restart).
         persist_every: persist the snapshots of steps that are multiples of
             this (asynchronously); needs ``snapshot_dir``; ``None``: never.
+        unwind_timeout: once a restart has begun (the restart exception sent,
+            the abort run), a rank whose main thread has not come back to the
+            Wrapper for this long while idle in the kernel
+            (stuck in native code that ignored the abort; never inside
+            ``atomic()``) is ended by its monitor process and recorded as lost.
 
     Callbacks may be written for the usage guide's generation of the API or
     for the newer one (``(frozen_state)``, ``(ctx)``, ``completion``,
@@ -219,6 +224,7 @@ class Wrapper:
         completion_timeout: datetime.timedelta = datetime.timedelta(seconds=120),
         last_call_wait: datetime.timedelta = datetime.timedelta(seconds=1),
         termination_grace_time: datetime.timedelta = datetime.timedelta(seconds=5),
+        unwind_timeout: datetime.timedelta = datetime.timedelta(seconds=2),
         monitor_process_logfile: str | None = None,
         enabled: bool = True,
         monitor_process_pidfile: str | None = None,
@@ -623,6 +629,8 @@ class CallWrapper:
                 heartbeat_timeout=c.heartbeat_timeout,
                 hard_timeout=c.hard_timeout,
                 termination_grace_time=c.termination_grace_time,
+                unwind_timeout=c.unwind_timeout,
+                thread_id=threading.get_native_id(),
                 logfile=c.monitor_process_logfile,
                 # A log file asked for gets at least the INFO lines.
                 log_level=min(
@@ -634,6 +642,8 @@ class CallWrapper:
         )
         monitor.start(timeout=c.barrier_timeout)
         cleanup.callback(monitor.shutdown)
+        # A monitor process that dies is replaced, not mistaken for this rank's death.
+        monitor.keep_alive(timeout=c.barrier_timeout, on_restart=self._monitor_restarted)
         self._monitor_process = monitor
         if c.monitor_process_pidfile is not None:
             cleanup.callback(
@@ -666,7 +676,9 @@ class CallWrapper:
             on_interrupt=self._watchdog.freeze,
             # a gloo initialization that a faulted peer left waiting (see there)
             on_resend=functools.partial(complete_stranded_gloo_init, threading.get_ident()),
-            abort=_gen.as_state_callback(c.abort, c.generation),
+            abort=functools.partial(
+                self._abort_then_time_unwind, _gen.as_state_callback(c.abort, c.generation)
+            ),
             interrupt=self._interrupt,
         )
         self._monitor.start()
@@ -979,6 +991,7 @@ class CallWrapper:
             monitor.disarm()
         except RankShouldRestart:
             monitor.disarm()
+        self._board.write_unwind(0.0)  # back in the Wrapper: the unwind is over
         # Out of the function: the hard clock stands still while this rank only
         # waits for its peers (see inprocess.progress_watchdog).
         self._watchdog.pause()
@@ -1169,6 +1182,35 @@ class CallWrapper:
 
     # ---------------------------------------------------------------- completion
 
+    def _abort_then_time_unwind(self, abort: Callable[[Any], Any] | None, state: Any) -> Any:
+        """The abort (monitor thread, under its lock, right after the restart
+        exception was sent), then the start of the monitor process's
+        bounded-unwind clock: the main thread cannot come back before the abort
+        is done (it needs the lock), and the abort is what releases it, so its
+        duration, however long, never counts against the rank."""
+        try:
+            return abort(state) if abort is not None else None
+        finally:
+            self._board.write_unwind(time.monotonic())
+
+    def _monitor_restarted(self, pid: int, reason: str) -> None:
+        """A fault of the machinery, not of training: recorded, no restart."""
+        log.warning(
+            "%s: monitor process %s; started a new one (pid %d)", self.identity, reason, pid
+        )
+        if self._config.monitor_process_pidfile is not None:
+            with contextlib.suppress(OSError):
+                _write_pidfile(
+                    self._config.monitor_process_pidfile,
+                    self.state.initial_rank,
+                    self._monitor_process,
+                )
+        with contextlib.suppress(Exception):
+            self.store.append(
+                "machinery_faults",
+                f"{self.identity}\tmonitor process {reason}\t{time.time():.3f}\n",
+            )
+
     def _finish(self, current: _Iteration) -> None:
         self._board.write_finished()
         self.store.mark_completed(self.identity, current.index)
@@ -1261,7 +1303,8 @@ def _write_pidfile(template: str, rank: int, monitor: MonitorProcess) -> Callabl
     def remove() -> None:
         with contextlib.suppress(OSError):
             with open(path) as f:
-                if f.read().strip() != str(pid):
+                # this call's monitor, or its replacement (MonitorProcess.keep_alive)
+                if f.read().strip() not in (str(pid), str(monitor.last_pid)):
                     return  # another call's monitor now
             os.unlink(path)
 

@@ -17,7 +17,7 @@ td = datetime.timedelta
 def test_durations_are_the_wrappers_timedelta_arguments_in_seconds():
     params = inspect.signature(inprocess.Wrapper).parameters
     timed = [n for n, p in params.items() if "timedelta" in str(p.annotation)]
-    assert list(WrapperConfig.durations()) == timed and len(timed) == 11
+    assert list(WrapperConfig.durations()) == timed and len(timed) == 12
     w = inprocess.Wrapper(soft_timeout=td(seconds=30), last_call_wait=td(0))
     c = w.config
     assert c.soft_timeout == 30.0 and c.last_call_wait == 0.0

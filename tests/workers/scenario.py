@@ -103,9 +103,11 @@ class FailingAssignment(inprocess.rank_assignment.RankAssignment):
 
 def build_wrapper() -> inprocess.Wrapper:
     w = dict(SPEC.get("wrapper", {}))
-    kwargs: dict[str, Any] = {k: td(v) for k, v in w.items() if k != "monitor_process_logfile"}
-    if "monitor_process_logfile" in w:
-        kwargs["monitor_process_logfile"] = w["monitor_process_logfile"]
+    paths = ("monitor_process_logfile", "monitor_process_pidfile")
+    kwargs: dict[str, Any] = {k: td(v) for k, v in w.items() if k not in paths}
+    for name in paths:
+        if name in w:
+            kwargs[name] = w[name]
     initializers: list[Any] = [RecordingInitialize()]
     if "max_iterations" in SPEC:
         initializers.insert(
@@ -151,10 +153,10 @@ def build_wrapper() -> inprocess.Wrapper:
 
 
 def fault_for(iteration: int) -> dict[str, Any] | None:
-    for fault in SPEC.get("faults", []):
-        if fault["iteration"] == iteration:
-            return fault
-    return None
+    """This iteration's fault of this rank, else its first fault (several ranks may fault)."""
+    faults = [f for f in SPEC.get("faults", []) if f["iteration"] == iteration]
+    mine = [f for f in faults if f["rank"] == INITIAL_RANK]
+    return (mine or faults or [None])[0]
 
 
 def inject(kind: str) -> None:
@@ -186,6 +188,13 @@ def inject(kind: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     if kind == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)
+    if kind == "pause":  # stuck in native code, deaf to every signal
+        signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+        signal.pause()
+    if kind == "atomic_native":  # a long native call (idle, GIL released) inside atomic()
+        with CALL_WRAPPER.atomic():
+            ctypes.CDLL(None).sleep(SPEC.get("native_seconds", 5))
+        return
     if kind == "segfault":
         ctypes.string_at(0)
     raise ValueError(f"unknown fault kind {kind}")
@@ -201,10 +210,13 @@ def busy_python(seconds: float) -> None:
 # ---------------------------------------------------------------- the job
 
 wrapper = build_wrapper()
+CALL_WRAPPER: Any = None
 
 
 @wrapper
 def train(call_wrapper: inprocess.CallWrapper = None) -> dict[str, Any]:
+    global CALL_WRAPPER
+    CALL_WRAPPER = call_wrapper
     iteration = call_wrapper.iteration
     dist.init_process_group("gloo", timeout=td(SPEC.get("gloo_timeout", 60)))
     rank, world = dist.get_rank(), dist.get_world_size()
