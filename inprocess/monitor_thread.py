@@ -14,12 +14,23 @@ socket read, a lock) does not run bytecode and would never see an asynchronous
 exception. The monitor thread therefore also sends it a signal: the system call
 returns ``EINTR``, the interpreter runs the (empty) Python signal handler, and
 the pending asynchronous exception is raised there.
+
+The exception is never sent while the main thread is importing a module. One
+landing inside an import leaves the interpreter's module table damaged for the
+rest of the process: the interrupted module is dropped, but its submodules stay
+in ``sys.modules`` and are never bound to the package imported again, so every
+later attempt fails ("partially initialized module ... has no attribute ...")
+and the rank can never run the function again. Imports that user code runs
+lazily are common and slow (the first ``optimizer.step()`` imports
+``torch._dynamo`` and ``torch._inductor``: seconds on a loaded machine), so the
+monitor thread waits for the import to end and sends the exception then.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib._bootstrap
 import logging
 import signal
 import sys
@@ -158,16 +169,20 @@ class reraise_if_unraisable(contextlib.ContextDecorator):
         helper.start()
 
     def _reraise_when_out(self, thread_id: int, exc_type: type[BaseException]) -> None:
-        """Raises ``exc_type`` in the thread once no frame of the hook is on its stack."""
+        """Raises ``exc_type`` in the thread once no frame of the hook (nor of an
+    import) is on its stack."""
         deadline = time.monotonic() + _RERAISE_WAIT
         while True:
             inside = _runs_code(thread_id, _HOOK_CODE)
             if inside is None:
                 return  # the thread is gone
-            if not inside:
+            if not inside and not is_importing(thread_id):
                 break
             if time.monotonic() >= deadline:
-                log.warning("a lost %s was not raised again: the hook never returned", exc_type)
+                log.warning(
+                    "a lost %s was not raised again: the thread stayed in the hook or an import",
+                    exc_type,
+                )
                 return
             time.sleep(0.0005)
         # The thread may enter the hook again between the check and the raise:
@@ -210,6 +225,21 @@ def _runs_code(thread_id: int, code: types.CodeType) -> bool | None:
             return True
         frame = frame.f_back
     return False
+
+
+#: the frame of every import in progress: ``import``, ``from ... import``,
+#: ``importlib.import_module`` and ``__import__`` all load through it, and it
+#: stays on the stack until the module (and its parents) are fully executed
+_IMPORT_CODE = importlib._bootstrap._find_and_load.__code__
+#: how long the restart exception waits for an import to end before it is sent
+#: anyway (an import blocked for good; the hard timeout usually ends it first)
+IMPORT_WAIT_LIMIT = 120.0
+
+
+def is_importing(thread_id: int) -> bool:
+    """Whether ``thread_id`` is executing an import (an exception there would
+    leave modules half-imported for the rest of the process)."""
+    return bool(_runs_code(thread_id, _IMPORT_CODE))
 
 
 def _noop_handler(signum: int, frame: Any) -> None:
@@ -401,7 +431,11 @@ class MonitorThread(threading.Thread):
             armed.cause = cause
             if self.on_interrupt is not None:
                 self.on_interrupt()
-            async_raise(self.target_thread_id, RankShouldRestart)
+            import_wait = _ImportWait(self.identity)
+            if not import_wait.holds(self.target_thread_id):
+                async_raise(self.target_thread_id, RankShouldRestart)
+            # An import in progress does not hold the abort back: the import
+            # runs no collective, and the exception follows once it is done.
             if self.abort is not None:
                 try:
                     self.abort(armed.state)
@@ -417,6 +451,8 @@ class MonitorThread(threading.Thread):
             with self.lock:
                 if self._armed is not armed or armed.acked:
                     return
+                if import_wait.holds(self.target_thread_id):
+                    continue
                 async_raise(self.target_thread_id, RankShouldRestart)
                 self.interrupt.send(self.target_thread_id)
             if self.on_resend is not None:
@@ -424,3 +460,38 @@ class MonitorThread(threading.Thread):
                     self.on_resend()
                 except Exception:
                     log.exception("releasing the main thread again failed")
+
+
+class _ImportWait:
+    """Holds the restart exception back while the main thread imports a module.
+
+    Checked under the monitor thread's lock right before each send; the import
+    is seen from its frame on the thread's stack. A thread that is about to
+    start an import when the check runs can still take the exception inside
+    the importer's first bytecodes: the window is those few bytecodes, not the
+    whole import. After ``IMPORT_WAIT_LIMIT`` the exception is sent anyway.
+    """
+
+    def __init__(self, identity: str) -> None:
+        self.identity = identity
+        self._since: float | None = None
+        self._gave_up = False
+
+    def holds(self, thread_id: int) -> bool:
+        if self._gave_up or not is_importing(thread_id):
+            return False
+        now = time.monotonic()
+        if self._since is None:
+            self._since = now
+            log.info("%s: the restart waits for an import to finish", self.identity)
+            return True
+        if now - self._since < IMPORT_WAIT_LIMIT:
+            return True
+        self._gave_up = True
+        log.warning(
+            "%s: an import has run for %.0fs; interrupting it (modules it was loading "
+            "may stay half-imported in this process)",
+            self.identity,
+            now - self._since,
+        )
+        return False

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import sys
 import threading
 import time
 
@@ -271,6 +272,55 @@ def test_atomic_refuses_to_start_once_a_restart_began():
     finally:
         monitor.disarm()
         monitor.shutdown()
+
+
+SLOW_PACKAGE = """
+import time
+from . import first
+time.sleep(0.05)  # blocked in the kernel: the re-sent signal must not break the import
+end = time.monotonic() + 0.6
+while time.monotonic() < end:
+    pass  # running bytecode: where an asynchronous exception lands
+from . import second
+done_at = time.monotonic()
+"""
+
+
+def test_restart_waits_for_an_import_to_finish(tmp_path, monkeypatch):
+    """An exception landing inside an import would leave the package half-imported
+    for the rest of the process (its submodules stay in sys.modules, unbound to
+    the package imported again); the monitor thread sends it once the import is done."""
+    package = tmp_path / "slowly_imported"
+    package.mkdir()
+    (package / "__init__.py").write_text(SLOW_PACKAGE)
+    (package / "first.py").write_text("VALUE = 1\n")
+    (package / "second.py").write_text("VALUE = 2\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    store = HashStore()
+    interrupt = InterruptSignal()
+    interrupt.install()
+    monitor, _lock, aborted = make_monitor(store, interrupt=interrupt)
+    fault = threading.Timer(0.2, store.record_fault, args=("1/x", "boom"))
+    try:
+        monitor.arm(0, store.fault_count(), state=None)
+        fault.start()
+        with pytest.raises(RankShouldRestart):
+            import slowly_imported  # noqa: F401
+
+            imported_at = time.monotonic()
+            spin(5)
+        module = sys.modules["slowly_imported"]
+        assert module.done_at <= imported_at
+        assert module.first.VALUE == 1 and module.second.VALUE == 2
+        assert aborted and aborted[0] < module.done_at, "the abort is not held back"
+    finally:
+        fault.cancel()
+        fault.join()
+        monitor.disarm()
+        monitor.shutdown()
+        interrupt.uninstall()
+        for name in ("slowly_imported", "slowly_imported.first", "slowly_imported.second"):
+            sys.modules.pop(name, None)
 
 
 def test_soft_timeout_records_a_fault():

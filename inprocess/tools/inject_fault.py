@@ -14,11 +14,12 @@ import os
 import random
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from ..compose import _takes_arguments
-from ..monitor_thread import async_raise
+from ..monitor_thread import IMPORT_WAIT_LIMIT, async_raise, is_importing
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +119,12 @@ def _inject(fault: Fault, main_thread_id: int | None) -> None:
     pid = os.getpid()
     if fault == Fault.ASYNC_EXC:
         assert main_thread_id is not None
+        # Not inside an import: that would break the module for the rest of the
+        # process (see inprocess.monitor_thread), a different fault than the
+        # recoverable exception this one stands for.
+        deadline = time.monotonic() + IMPORT_WAIT_LIMIT
+        while is_importing(main_thread_id) and time.monotonic() < deadline:
+            time.sleep(0.005)
         async_raise(main_thread_id, InjectedFault)
     elif fault == Fault.SIGNAL_EXC:
         os.kill(pid, _SIGNAL_EXC_SIGNAL)
