@@ -288,7 +288,7 @@ def command(system: str, args: argparse.Namespace, work: Path) -> tuple[list[str
             *(["--job-max-restarts", str(args.faults)] if cold else []),
             "--standby",
             # a cold restart starts every worker: one standby per worker of a node
-            ("2" if cold else "1") if system.endswith("standby") else "0",
+            str(args.standbys or (2 if cold else 1)) if system.endswith("standby") else "0",
             "--state-dir",
             str(work / "state"),
             "--job-id",
@@ -648,9 +648,18 @@ def main() -> int:
     parser.add_argument(
         "--deadline", type=float, default=60.0, help="seconds for a fault to count as recovered"
     )
+    parser.add_argument(
+        "--standbys",
+        type=int,
+        default=None,
+        help="standbys per node of the standby systems (default: 1, cold: 2); more "
+        "cover kills of one node that come faster than a used standby is replaced",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the logs and events")
     argv = sys.argv[1:]
     args = parser.parse_args(argv)
+    if args.standbys is not None and args.standbys < 1:
+        parser.error(f"--standbys must be >= 1, got {args.standbys}")
     if args.steps is None:
         args.steps = default_steps(args)
     systems = [s for s in SYSTEMS if s in (args.only or SYSTEMS)]

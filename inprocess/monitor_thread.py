@@ -170,7 +170,7 @@ class reraise_if_unraisable(contextlib.ContextDecorator):
 
     def _reraise_when_out(self, thread_id: int, exc_type: type[BaseException]) -> None:
         """Raises ``exc_type`` in the thread once no frame of the hook (nor of an
-    import) is on its stack."""
+        import) is on its stack."""
         deadline = time.monotonic() + _RERAISE_WAIT
         while True:
             inside = _runs_code(thread_id, _HOOK_CODE)
@@ -240,6 +240,15 @@ def is_importing(thread_id: int) -> bool:
     """Whether ``thread_id`` is executing an import (an exception there would
     leave modules half-imported for the rest of the process)."""
     return bool(_runs_code(thread_id, _IMPORT_CODE))
+
+
+def frame_in_import(frame: types.FrameType | None) -> bool:
+    """Whether ``frame`` or a frame that called it is executing an import."""
+    while frame is not None:
+        if frame.f_code is _IMPORT_CODE:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _noop_handler(signum: int, frame: Any) -> None:

@@ -217,3 +217,48 @@ def test_hang_fault_kinds(fault):
         proc.kill()
         proc.wait()
         proc.stdout.close()
+
+
+IMPORTING_VICTIM = """
+import os, pathlib, sys, tempfile, time
+root = pathlib.Path(tempfile.mkdtemp())
+(root / "slowly_imported").mkdir()
+(root / "slowly_imported" / "__init__.py").write_text(
+    "import time\\n"
+    "from . import first\\n"
+    "end = time.monotonic() + 1.0\\n"
+    "while time.monotonic() < end:\\n"
+    "    pass\\n"
+    "from . import second\\n"
+    "done_at = time.monotonic()\\n"
+)
+(root / "slowly_imported" / "first.py").write_text("")
+(root / "slowly_imported" / "second.py").write_text("")
+sys.path.insert(0, str(root))
+from inprocess.tools.inject_fault import Fault, inject_fault, InjectedFault
+os.environ.update(RANK="0", WORLD_SIZE="1")
+inject_fault([Fault[sys.argv[1]]], 1, 0, 0.2, 0)
+try:
+    import slowly_imported
+    time.sleep(30)
+except InjectedFault:
+    module = sys.modules["slowly_imported"]  # an exception inside the import drops it
+    assert module.done_at and module.first and module.second
+    print("after the import", flush=True); sys.exit(11)
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fault", ["ASYNC_EXC", "SIGNAL_EXC"])
+def test_an_injected_exception_waits_for_an_import_to_finish(fault):
+    """The injected exception stands for a recoverable fault: inside an import it
+    would leave the package half-imported for the rest of the process."""
+    proc = subprocess.run(
+        [sys.executable, "-c", IMPORTING_VICTIM, fault],
+        env=dict(os.environ, PYTHONWARNINGS="ignore"),
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert proc.returncode == 11, proc.stdout + proc.stderr
+    assert proc.stdout == "after the import\n"

