@@ -44,7 +44,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -262,7 +262,10 @@ class MonitorProcess:
         return self.process is not None and self.process.poll() is None
 
     def keep_alive(
-        self, timeout: float, on_restart: Callable[[int, str], None] | None = None
+        self,
+        timeout: float,
+        on_restart: Callable[[int, str], None] | None = None,
+        send_heartbeat: Callable[[], Any] | None = None,
     ) -> None:
         """Replaces the monitor process whenever it dies before :meth:`shutdown`.
 
@@ -271,6 +274,11 @@ class MonitorProcess:
         thread polls the child every ``interval`` and starts a new one (a fresh
         interpreter: other threads run now) with the same board; the rank's
         training goes on untouched. ``on_restart(pid, reason)`` is called after.
+        A fresh interpreter imports torch before it is ready, which takes longer
+        than ``heartbeat_timeout`` on a loaded machine: until it is ready,
+        ``send_heartbeat()`` (this rank's heartbeat through the rank's own store
+        client) is called every ``heartbeat_interval`` on the dead monitor's
+        behalf.
         Invariant: :meth:`shutdown` first stops and joins this thread, so a
         restart under way completes before the process is shut down and nothing
         is restarted once shutdown has begun (the stop flag is read under
@@ -300,7 +308,8 @@ class MonitorProcess:
                                 os.close(fd)
                     self._control_w = self._ready_r = None
                     try:
-                        self.start(timeout)
+                        with _heartbeats_meanwhile(send_heartbeat, self.config.heartbeat_interval):
+                            self.start(timeout)
                     except Exception:
                         log.exception("cannot restart the monitor process")
                         return
@@ -645,3 +654,29 @@ def run(config: MonitorConfig, fds: _Fds) -> int:
     log.info("monitoring rank %s (pid %d)", config.identity, config.parent_pid)
     guardian.run()
     return 0
+
+
+@contextlib.contextmanager
+def _heartbeats_meanwhile(send: Callable[[], Any] | None, interval: float) -> Iterator[None]:
+    """Calls ``send()`` now and every ``interval`` seconds until the block ends."""
+    if send is None:
+        yield
+        return
+    stop = threading.Event()
+
+    def beat() -> None:
+        while True:
+            try:
+                send()
+            except Exception as ex:  # the store is gone: the restart will say so
+                log.warning("cannot send a heartbeat while the monitor process restarts: %s", ex)
+            if stop.wait(interval):
+                return
+
+    thread = threading.Thread(target=beat, name="inprocess-heartbeat-bridge", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()

@@ -643,7 +643,11 @@ class CallWrapper:
         monitor.start(timeout=c.barrier_timeout)
         cleanup.callback(monitor.shutdown)
         # A monitor process that dies is replaced, not mistaken for this rank's death.
-        monitor.keep_alive(timeout=c.barrier_timeout, on_restart=self._monitor_restarted)
+        monitor.keep_alive(
+            timeout=c.barrier_timeout,
+            on_restart=self._monitor_restarted,
+            send_heartbeat=functools.partial(self.store.send_heartbeat, self.identity),
+        )
         self._monitor_process = monitor
         if c.monitor_process_pidfile is not None:
             cleanup.callback(
