@@ -716,11 +716,13 @@ class CallWrapper:
         for attempt in itertools.count():
             raw = w.store_factory(**w.store_kwargs)
             if getattr(raw, "is_master", False):
-                raw.set(_RANK_HOSTED_KEY, "1")
-                raw.set(marker, self.identity)
+                raw.put(_RANK_HOSTED_KEY, "1")
+                raw.put(marker, self.identity)
                 return raw
             with contextlib.suppress(Exception):  # the old server may go away meanwhile
-                if not raw.check([_RANK_HOSTED_KEY]) or raw.check([marker]):
+                # Sealed marks: a stranger's key neither sends a rank to an old server
+                # nor holds one back from a launcher's store.
+                if raw.read(_RANK_HOSTED_KEY) is None or raw.read(marker) is not None:
                     return raw
             del raw  # closes the connection to the old server
             if time.monotonic() >= deadline:
