@@ -135,6 +135,15 @@ def valid_identity(identity: str) -> bool:
     return _IDENTITY.fullmatch(identity) is not None
 
 
+#: a participant's name at a barrier (an identity, or a rank assignment's own token)
+_NAME = re.compile(r"[A-Za-z0-9_.\-/]{1,100}")
+
+
+def valid_name(name: str) -> bool:
+    """Whether ``name`` can name a barrier participant (no separators, not empty)."""
+    return _NAME.fullmatch(name) is not None
+
+
 def check_identity(identity: str) -> str:
     """``identity``, or a ValueError naming it when it is malformed."""
     if not valid_identity(identity):

@@ -427,7 +427,7 @@ class StoreMixin:
         found: dict[str, str] = {}
         for entry in self.entries(key):
             identity, _, value = entry.partition("=")
-            if P.valid_identity(identity):
+            if P.valid_name(identity):
                 found.setdefault(identity, value)
             else:
                 reject(self.path(key), "a malformed identity")
@@ -501,16 +501,24 @@ class StoreMixin:
         """
         self.add_entry(f"{name}/arrivals", f"{identity}={value}")
         count = int(self.add(f"{name}/count", 1))
-        return count >= len(members) and self._complete_with_terminated(name, members)
+        return count >= len(members) and self._complete(name, members)
 
     def _arrivals(self, name: str) -> dict[str, str]:
         return self.by_identity(f"{name}/arrivals")
 
     def _complete_with_terminated(self, name: str, members: Sequence[str]) -> bool:
+        """Whether deaths complete the rendezvous (read when a death may have been listed;
+        the arrivals only when a member is dead)."""
+        dead = self.terminated().intersection(members)
+        return bool(dead) and self._complete(name, members, dead)
+
+    def _complete(self, name: str, members: Sequence[str], dead: set[str] | None = None) -> bool:
         """Whether every member has arrived or is terminated (authentic records only)."""
         arrived = self._arrivals(name)
         missing = [m for m in members if m not in arrived]
-        return not missing or self.terminated().issuperset(missing)
+        if not missing:
+            return True
+        return (self.terminated() if dead is None else dead).issuperset(missing)
 
     def _decide(
         self,
@@ -553,10 +561,14 @@ class StoreMixin:
         for the initial barrier of a call.
         """
         done_key = P.done_key(name)
-        self.add_entry(f"{name}/arrivals", P.check_identity(identity))
+        if not P.valid_name(identity):
+            raise ValueError(
+                f"barrier {name!r}: a participant's name has no separators, got {identity!r}"
+            )
+        self.add_entry(f"{name}/arrivals", identity)
         # The counter says when to read; the authentic arrivals decide.
         if int(self.add(f"{name}/count", 1)) >= count:
-            arrived = self.identities(f"{name}/arrivals")
+            arrived = [i for i in self.entries(f"{name}/arrivals") if P.valid_name(i)]
             if len(arrived) > count:
                 raise BarrierOverflow(f"barrier {name!r}: {len(arrived)} arrivals for {count}")
             if len(arrived) == count:
