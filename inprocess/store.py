@@ -259,7 +259,7 @@ class StoreMixin:
         if not value:
             raise ValueError("set_once needs a non-empty value")
         self.add_entry(key, value)
-        current = self.read(key) or ""
+        current = P.first_or_none(self.decode_entries(key, self.get(key))) or ""
         return current == value, current
 
     def counter(self, key: str) -> int:
@@ -471,7 +471,8 @@ class StoreMixin:
         while True:
             if not complete:
                 if self.check([done_key]):
-                    published = self.read(done_key)  # None: only a stranger's garbage there
+                    # None: only a stranger's garbage there
+                    published = P.first_or_none(self.decode_entries(done_key, self.get(done_key)))
                     if published is not None:
                         return published
                 epoch = self.terminated_epoch()
@@ -618,7 +619,7 @@ class StoreMixin:
             if self.check([key]):
                 if not sealed:
                     return _to_str(self.get(key))
-                published = self.read(key)
+                published = P.first_or_none(self.decode_entries(key, self.get(key)))
                 if published is not None:
                     return published
             if time.monotonic() >= deadline:
