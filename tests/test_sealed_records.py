@@ -298,3 +298,40 @@ def test_the_monitor_thread_is_not_woken_into_a_restart_by_the_counter():
     finally:
         monitor.disarm()
         monitor.shutdown()
+
+
+# --------------------------------------------------------------------------- denial of service
+
+
+def test_deleted_arrivals_end_a_rendezvous_at_its_timeout():
+    """Deleting records is out of a MAC's reach: the rendezvous that needed them ends at
+    its timeout (a recorded BarrierTimeout), never hangs."""
+    from inprocess.store import BarrierTimeout
+
+    store = HashStore()
+    short = datetime.timedelta(seconds=1)
+    errors: dict[str, BaseException] = {}
+
+    def arrive(identity: str) -> None:
+        try:
+            store.rendezvous("r", identity, [A, B], "0", short, lambda *a: "x", 0.01)
+        except BaseException as ex:  # recorded for the assertion
+            errors[identity] = ex
+
+    first = threading.Thread(target=arrive, args=(A,))
+    first.start()
+    while not store.check(["r/arrivals"]):
+        pass
+    store.delete_key("r/arrivals")  # the stranger's delete, before B arrives
+    arrive(B)
+    first.join(30)
+    assert set(errors) == {A, B}
+    assert all(isinstance(e, BarrierTimeout) for e in errors.values()), errors
+
+
+def test_a_non_number_in_a_counter_is_a_store_error_not_a_hang(tcp):
+    store, stranger = tcp
+    store.fault_signal()
+    stranger.set("inprocess/job/g0/call0/faults", "not a number")
+    with pytest.raises(Exception, match=r"(?i)recv|connection|closed|reset"):
+        store.fault_signal()  # torch's server drops this client's connection
