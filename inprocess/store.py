@@ -258,8 +258,14 @@ class StoreMixin:
         """
         if not value:
             raise ValueError("set_once needs a non-empty value")
-        self.add_entry(key, value)
-        current = P.first_or_none(self.decode_entries(key, self.get(key))) or ""
+        record = seal(self.path(key), value)
+        # One round trip when the key is new (the common case): the record is
+        # then its first. Else the first authentic record there stands; only
+        # if there is none (a stranger wrote the key first) is ours appended.
+        current = P.first_or_none(self.decode_entries(key, self.compare_set(key, "", record)))
+        if current is None:
+            self.append(key, record)
+            current = P.first_or_none(self.decode_entries(key, self.get(key))) or ""
         return current == value, current
 
     def counter(self, key: str) -> int:
@@ -423,9 +429,12 @@ class StoreMixin:
         arrivals = self.by_identity(key)
         return arrivals if all(m in arrivals for m in members) else None
 
-    def by_identity(self, key: str) -> dict[str, str]:
+    def by_identity(self, key: str, raw: bytes | str | None = None) -> dict[str, str]:
+        """The authentic ``identity=value`` records at ``key`` (or in ``raw`` read from it),
+        the first value of each identity."""
         found: dict[str, str] = {}
-        for entry in self.entries(key):
+        entries = self.entries(key) if raw is None else self.decode_entries(key, raw)
+        for entry in entries:
             identity, _, value = entry.partition("=")
             if P.valid_name(identity):
                 found.setdefault(identity, value)
@@ -514,8 +523,9 @@ class StoreMixin:
         return bool(dead) and self._complete(name, members, dead)
 
     def _complete(self, name: str, members: Sequence[str], dead: set[str] | None = None) -> bool:
-        """Whether every member has arrived or is terminated (authentic records only)."""
-        arrived = self._arrivals(name)
+        """Whether every member has arrived or is terminated (authentic records only);
+        called once this rank's arrival is in (the arrivals key exists)."""
+        arrived = self.by_identity(f"{name}/arrivals", raw=self.get(f"{name}/arrivals"))
         missing = [m for m in members if m not in arrived]
         if not missing:
             return True
