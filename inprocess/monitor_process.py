@@ -522,7 +522,8 @@ class _Guardian:
             return
         for peer, count in zip(self.peers, self.store.heartbeats(self.peers), strict=True):
             last = self.peer_seen.get(peer)
-            if last is None or last[0] != count:
+            # Only a newer authentic stamp is a heartbeat (an old one replayed is not).
+            if last is None or count > last[0]:
                 self.peer_seen[peer] = (count, now)
                 continue
             if now - last[1] <= self.config.heartbeat_timeout:

@@ -348,6 +348,9 @@ class MonitorThread(threading.Thread):
         #: releases what the abort could not reach when it ran
         self.on_resend = on_resend
         self._armed: Armed | None = None
+        #: the armed iteration and fault counter value last confirmed against the fault log
+        self._confirmed_for: Armed | None = None
+        self._signal = -1
         self._stop_event = threading.Event()
         self._wake = threading.Event()
 
@@ -427,6 +430,13 @@ class MonitorThread(threading.Thread):
             log.warning("%s: %s", self.identity, reason)
             self.store.record_fault(self.identity, reason)
             return reason
+        # The counter only wakes: anyone can add to it. The authentic fault
+        # log confirms (read once per change of the counter, and once per
+        # armed iteration: its baseline may be behind already).
+        signal = self.store.fault_signal()
+        if armed is self._confirmed_for and signal == self._signal:
+            return None
+        self._confirmed_for, self._signal = armed, signal
         if self.store.fault_count() > armed.baseline:
             return "fault reported"
         return None

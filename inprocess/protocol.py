@@ -32,14 +32,25 @@ Read API
     ``torch.distributed.Store`` client on the job's store: :func:`wrapper_present`,
     :func:`latest_call`, :func:`initial_done`, :func:`membership`,
     :func:`terminated`, :func:`fault_log`.
+
+Every value in the schema is a sealed record (:func:`inprocess.security.seal`,
+MAC'd under the job's secret and the key's full name); lists hold one record
+per entry. Readers, this module's read API included, use authentic records
+only; counters (``faults``, ``terminated_epoch``, barrier counts) only wake
+readers. Validators here (:func:`valid_identity`, :meth:`Membership.parse`,
+:meth:`Arrival.parse`) turn what a record says into ``None`` rather than an
+exception when it is malformed.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from collections.abc import Iterable, Sequence
 from typing import Any
+
+from .security import open_records, reject
 
 # --------------------------------------------------------------------------- key schema
 
@@ -57,8 +68,6 @@ FAULTS = "faults"
 FAULT_LOG = "fault_log"
 TERMINATED = "terminated"
 TERMINATED_EPOCH = "terminated_epoch"
-#: per identity: set once a listed death's fault is counted (see StoreMixin.mark_terminated)
-COUNTED = "counted"
 LEFT = "left"
 JOIN_REQUESTS = "join_requests"
 MEMBERSHIP = "membership"
@@ -89,7 +98,7 @@ def role_of(call_ns: str) -> str:
 
 
 def per_identity(kind: str, identity: str) -> str:
-    """A per-rank key: ``terminated``, ``counted``, ``left``, ``completed`` or ``heartbeat``
+    """A per-rank key: ``terminated``, ``completed`` or ``heartbeat``
     of ``identity``."""
     return f"{kind}/{identity}"
 
@@ -115,6 +124,48 @@ def identity_record(identity: str) -> str:
     if SEP in identity:
         raise ValueError(f"an identity may not contain {SEP!r}: {identity!r}")
     return identity + SEP
+
+
+#: what an identity looks like: ``<initial rank>/<anything without separators>``
+_IDENTITY = re.compile(r"[0-9]{1,9}/[A-Za-z0-9_.\-]{1,64}")
+
+
+def valid_identity(identity: str) -> bool:
+    """Whether ``identity`` is well formed (``"<initial rank>/<token>"``, no separators)."""
+    return _IDENTITY.fullmatch(identity) is not None
+
+
+#: a participant's name at a barrier (an identity, or a rank assignment's own token)
+_NAME = re.compile(r"[A-Za-z0-9_.\-/]{1,100}")
+
+
+def valid_name(name: str) -> bool:
+    """Whether ``name`` can name a barrier participant (no separators, not empty)."""
+    return _NAME.fullmatch(name) is not None
+
+
+def check_identity(identity: str) -> str:
+    """``identity``, or a ValueError naming it when it is malformed."""
+    if not valid_identity(identity):
+        raise ValueError(
+            f"an identity is '<initial rank>/<token>' (token: letters, digits, '._-'), "
+            f"got {identity!r}"
+        )
+    return identity
+
+
+def int_or_none(text: str | None) -> int | None:
+    """``text`` as an integer, or ``None`` (absent or not a number)."""
+    if text is None:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        return None
+
+
+def first_or_none(records: Sequence[str]) -> str | None:
+    return records[0] if records else None
 
 
 # --------------------------------------------------------------------------- decisions
@@ -146,6 +197,14 @@ class Arrival:
     @classmethod
     def decode(cls, text: str) -> Arrival:
         return cls("rank", int(text)) if text not in cls.KINDS else cls(text)
+
+    @classmethod
+    def parse(cls, text: str) -> Arrival | None:
+        """Like :meth:`decode`, ``None`` when malformed."""
+        try:
+            return cls.decode(text)
+        except ValueError:
+            return None
 
 
 JOIN = Arrival("join")
@@ -341,27 +400,19 @@ def admitted(decision: Termination, identity: str) -> bool:
 # --------------------------------------------------------------------------- read API
 
 
-def _get(store: Any, key: str) -> str | None:
-    if not store.check([key]):
-        return None
-    value = store.get(key)
-    return value.decode() if isinstance(value, bytes) else value
-
-
 def wrapper_present(store: Any, role: str) -> bool:
     """Whether a Wrapper has started a call in ``role`` (the role recovers in-process)."""
-    return bool(store.check([f"{role}/{WRAPPED}"]))
+    return bool(_records(store, f"{role}/{WRAPPED}"))
 
 
 def latest_call(store: Any, role: str) -> int | None:
     """The highest call number a rank of ``role`` has started; ``None`` before the first."""
-    value = _get(store, f"{role}/{LATEST_CALL}")
-    return int(value) if value else None
+    return int_or_none(first_or_none(_records(store, f"{role}/{LATEST_CALL}")))
 
 
 def initial_done(store: Any, call_ns: str) -> bool:
     """Whether the initial barrier of the call completed (a new process there is a joiner)."""
-    return bool(store.check([f"{call_ns}/{done_key(INITIAL)}"]))
+    return bool(_records(store, f"{call_ns}/{done_key(INITIAL)}"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -379,15 +430,36 @@ class Membership:
         data = json.loads(text)
         return cls(int(data["iteration"]), tuple(data["members"]))
 
+    @classmethod
+    def parse(cls, text: str | None, key: str = MEMBERSHIP) -> Membership | None:
+        """Like :meth:`decode`; ``None`` when absent or malformed (logged once for ``key``)."""
+        if text is None:
+            return None
+        try:
+            published = cls.decode(text)
+        except (ValueError, KeyError, TypeError):
+            published = None
+        if published is None or not all(
+            isinstance(m, str) and valid_identity(m) for m in published.members
+        ):
+            reject(key, "a malformed membership")
+            return None
+        return published
+
+
+def _records(store: Any, key: str) -> list[str]:
+    """The authentic records at ``key`` of an unprefixed client."""
+    return open_records(key, store.get(key) if store.check([key]) else None)
+
 
 def membership(store: Any, call_ns: str) -> Membership | None:
-    text = _get(store, f"{call_ns}/{MEMBERSHIP}")
-    return Membership.decode(text) if text else None
+    key = f"{call_ns}/{MEMBERSHIP}"
+    return Membership.parse(first_or_none(_records(store, key)), key)
 
 
 def terminated(store: Any, call_ns: str) -> list[str]:
     """The identities the call declared terminated, in order."""
-    return split_identities(_get(store, f"{call_ns}/{TERMINATED}") or "")
+    return [i for i in _records(store, f"{call_ns}/{TERMINATED}") if valid_identity(i)]
 
 
 def fault_entry(identity: str, reason: str, time: float) -> str:
@@ -403,7 +475,11 @@ def parse_fault_log(text: str) -> list[dict[str, Any]]:
             entry = json.loads(line)
         except ValueError:
             continue
-        if isinstance(entry, dict) and "rank" in entry and "reason" in entry:
+        if (
+            isinstance(entry, dict)
+            and isinstance(entry.get("rank"), str)
+            and isinstance(entry.get("reason"), str)
+        ):
             entries.append(entry)
     return entries
 
@@ -423,7 +499,7 @@ def parse_phases(text: str) -> dict[str, dict[str, Any]]:
 
 
 def fault_log(store: Any, call_ns: str) -> list[dict[str, Any]]:
-    return parse_fault_log(_get(store, f"{call_ns}/{FAULT_LOG}") or "")
+    return parse_fault_log("\n".join(_records(store, f"{call_ns}/{FAULT_LOG}")))
 
 
 def terminations(entries: Iterable[dict[str, Any]]) -> dict[str, str]:

@@ -393,8 +393,8 @@ class Recorder:
         entry = {"rank": self.identity, "detected": self._detected, **self._phases}
         self._published = False
         try:
-            store.append(
-                protocol.iteration_key(self._ended.index, protocol.PHASES), json.dumps(entry) + "\n"
+            store.add_entry(
+                protocol.iteration_key(self._ended.index, protocol.PHASES), json.dumps(entry)
             )
             self._published = True
         except Exception as ex:  # records never stop a restart
@@ -411,9 +411,12 @@ class Recorder:
         keys = [protocol.FAULT_LOG, protocol.iteration_key(ended.index, protocol.PHASES)]
         try:
             if (self._published and ended.baseline > 0) or store.check(keys):
-                log_text, phases_text = (v.decode() for v in store.multi_get(keys))
+                log_text, phases_text = (v.decode(errors="replace") for v in store.multi_get(keys))
             else:
                 log_text, phases_text = store.get_or(keys[0]), store.get_or(keys[1])
+            # Authentic records only (a stranger's appends are skipped, see security.seal).
+            log_text = "\n".join(store.decode_entries(keys[0], log_text))
+            phases_text = "\n".join(store.decode_entries(keys[1], phases_text))
             entries = protocol.parse_fault_log(log_text)[ended.baseline :]
         except Exception as ex:
             log.debug("%s: cannot read the restart's faults: %s", self.identity, ex)

@@ -10,35 +10,44 @@ Identities
     unique to the process. A relaunched process that rejoins a job therefore has
     a new identity, and a terminated identity can never reappear.
 
+Records
+    Every value is a sealed record (MAC'd under the job's secret and the key's
+    full name, see :mod:`inprocess.security`); readers act on authentic
+    records only. Counters carry no MAC, so they only wake readers.
+
 Faults
-    ``faults`` is one global counter. Anything that requires a restart (an
-    exception, a timeout, a dead rank, a rank asking to join) increments it. An
-    iteration records the value of the counter when it was decided (its
-    *baseline*); the iteration is faulted once the counter exceeds it. Monitor
-    threads poll the counter with a single ``add(key, 0)`` per interval.
+    ``fault_log`` is an append-only list with one entry per fault; anything
+    that requires a restart (an exception, a timeout, a dead rank, a rank
+    asking to join) appends one. The fault count is the number of authentic
+    entries. An iteration records the count when it was decided (its
+    *baseline*); the iteration is faulted once the count exceeds it. Each
+    entry is followed by an increment of the ``faults`` counter, which monitor
+    threads poll with a single ``add(key, 0)`` per interval; they read the log
+    only when it changes.
 
 Outcome
-    ``iter/<k>/outcome`` is written once with ``compare_set``: ``"completed"`` by
-    the last rank arriving at the completion barrier, ``"fault"`` by whoever first
-    acts on a fault. Whichever wins decides the iteration for everybody; a fault
-    recorded after completion is ignored.
+    ``iter/<k>/outcome`` is a once-key: ``"completed"`` from the last rank
+    arriving at the completion barrier, ``"fault"`` from whoever first acts on a
+    fault. The first authentic record decides the iteration for everybody; a
+    fault recorded after completion is ignored.
 
 Terminated ranks
     ``terminated`` is an append-only list of identities. Marking a rank terminated
-    appends its reason to the fault log, then appends it to the list, then
-    increments ``faults``, then marks it ``counted``; deciders read ``faults``
-    *before* ``terminated``. So a death is either part of a decision's
-    terminated set or raises the counter above that decision's baseline, never
-    neither; a listed death always has its reason in the fault log (every rank
-    logs the restart's root cause); and a decider reads again until each death
-    it lists is counted, so a death is not *both* either (which would restart
-    the iteration it decided for nothing).
+    appends its reason to the fault log (its fault), then appends it to the
+    list, then increments the counters; deciders read the fault log *before*
+    ``terminated``. So a death is either part of a decision's terminated set or
+    raises the count above that decision's baseline, never neither; a listed
+    death always has its reason in the fault log (every rank logs the restart's
+    root cause); and a decider reads again until the log it read has each death
+    it lists, so a death is not *both* either (which would restart the
+    iteration it decided for nothing).
 
 Rendezvous
     A rendezvous completes when every participant has either arrived or been
-    terminated. Whoever notices completion (the last arrival, or a waiter that saw
-    a termination) computes the decision and publishes it with ``compare_set``, so
-    all ranks read the same decision. Waits are polled in short chunks so the
+    terminated (authentic arrival records and deaths; the arrival counter only
+    says when to look). Whoever notices completion (the last arrival, or a
+    waiter that saw a termination) computes the decision and publishes it to a
+    once-key, so all ranks read the same decision. Waits are polled in short chunks so the
     caller's thread keeps running Python (progress watchdog) and can receive the
     asynchronous restart exception.
 """
@@ -60,7 +69,7 @@ import torch.distributed as dist
 from . import protocol as P
 from .exception import StoreError
 from .exception import TimeoutError as RestartTimeoutError
-from .security import bound_port, keyed_namespace, listen_fd
+from .security import bound_port, keyed_namespace, listen_fd, open_records, reject, seal
 
 log = logging.getLogger(__name__)
 
@@ -126,8 +135,15 @@ def _to_str(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def _split(value: bytes | str) -> list[str]:
-    return P.split_identities(_to_str(value))
+def key_path(store: Any, key: str) -> str:
+    """The full name of ``key`` in the store under ``store``'s prefixes (the name records
+    are sealed with). Prefixes of torch's own ``PrefixStore`` are not known: the
+    name then starts below them."""
+    parts = [key]
+    while isinstance(store, PrefixStore):
+        parts.append(store.prefix)
+        store = store.base_store
+    return "/".join(reversed(parts))
 
 
 class Poller:
@@ -152,6 +168,14 @@ class StoreMixin:
     :class:`TCPStore`, :class:`FileStore`, :class:`PrefixStore`). Only the store
     primitives ``set``, ``get``, ``add``, ``compare_set``, ``append``, ``check``
     and ``multi_get`` are used.
+
+    Every value the protocol acts on is a sealed record
+    (:func:`inprocess.security.seal`, under the job's secret and the key's full
+    name): :meth:`put` and :meth:`add_entry` write them, :meth:`read`,
+    :meth:`entries` and :meth:`set_once` read the authentic ones only. A
+    "once" key (a decision, an outcome, a death) is an appended list whose
+    first authentic record wins, so a stranger who writes it first, or appends
+    to it, decides nothing. Counters only wake readers of records.
     """
 
     # ------------------------------------------------------------------ construction
@@ -181,20 +205,67 @@ class StoreMixin:
     # ------------------------------------------------------------------ primitives
 
     def get_or(self, key: str, default: str = "") -> str:
-        """Value of ``key``, or ``default`` when absent, without blocking."""
+        """Raw value of ``key``, or ``default`` when absent, without blocking."""
         if not self.check([key]):
             return default
-        return _to_str(self.get(key))
+        return self.get(key).decode(errors="replace")
+
+    # ------------------------------------------------------------------ sealed records
+
+    def path(self, key: str) -> str:
+        """The full name of ``key`` in the store (what its records are sealed with)."""
+        return key_path(self, key)
+
+    def put(self, key: str, value: str) -> None:
+        """Sets ``key`` to one sealed record of ``value``."""
+        self.set(key, seal(self.path(key), value))
+
+    def add_entry(self, key: str, value: str) -> None:
+        """Appends one sealed record of ``value`` to the list at ``key``."""
+        self.append(key, seal(self.path(key), value))
+
+    def decode_entries(self, key: str, raw: bytes | str | None) -> list[str]:
+        """The authentic records of a raw value read from ``key``."""
+        return open_records(self.path(key), raw)
+
+    def entries(self, key: str) -> list[str]:
+        """The authentic records at ``key`` in order (repeats once); ``[]`` when absent."""
+        return self.decode_entries(key, self.get_or(key))
+
+    def read(self, key: str) -> str | None:
+        """The first authentic record at ``key``, or ``None``."""
+        found = self.entries(key)
+        return found[0] if found else None
+
+    def identities(self, key: str) -> list[str]:
+        """The well-formed identities listed at ``key``, in order, each once."""
+        found = []
+        for entry in self.entries(key):
+            if P.valid_identity(entry):
+                found.append(entry)
+            else:
+                reject(self.path(key), "a malformed identity")
+        return found
 
     def set_once(self, key: str, value: str) -> tuple[bool, str]:
-        """Sets ``key`` to a non-empty ``value`` unless present.
+        """Makes non-empty ``value`` the value of once-key ``key`` unless one stands.
 
-        Returns ``(won, current)``: whether this call set it, and the value now
-        stored. ``value`` must be unique to the caller for ``won`` to be exact.
+        Returns ``(won, current)``: whether this call's value stands, and the
+        value that does. ``value`` must be unique to the caller for ``won`` to be
+        exact. The first authentic record appended wins: appends are ordered by
+        the store, so every reader agrees on it, and a stranger's record never
+        counts.
         """
         if not value:
             raise ValueError("set_once needs a non-empty value")
-        current = _to_str(self.compare_set(key, "", value))
+        record = seal(self.path(key), value)
+        # One round trip when the key is new (the common case): the record is
+        # then its first. Else the first authentic record there stands; only
+        # if there is none (a stranger wrote the key first) is ours appended.
+        current = P.first_or_none(self.decode_entries(key, self.compare_set(key, "", record)))
+        if current is None:
+            self.append(key, record)
+            current = P.first_or_none(self.decode_entries(key, self.get(key))) or ""
         return current == value, current
 
     def counter(self, key: str) -> int:
@@ -210,31 +281,46 @@ class StoreMixin:
         that passes through earlier calls on its way to the job's current one
         never lowers it, so a controller always reads the call the job is on.
         """
-        self.set(f"{role}/{P.WRAPPED}", "1")
+        self.put(f"{role}/{P.WRAPPED}", "1")
         key = f"{role}/{P.LATEST_CALL}"
-        seen = ""
-        while not seen or int(seen) < call:
-            current = _to_str(self.compare_set(key, seen, str(call)))
-            if current == seen or current == str(call):
+        wanted = seal(self.path(key), str(call))
+        raw = self.get_or(key)
+        for _ in range(100):  # bounded: a stranger rewriting the key must not hold a rank here
+            seen = P.int_or_none(P.first_or_none(self.decode_entries(key, raw)))
+            if seen is not None and seen >= call:
                 return
-            seen = current
+            # A value that is not ours (garbage) is replaced like an older call.
+            current = self.compare_set(key, raw, wanted).decode(errors="replace")
+            if current == wanted:
+                return
+            raw = current
+        log.warning("could not raise %r to call %d: the key keeps changing", key, call)
 
     # ------------------------------------------------------------------ faults
 
     def fault_count(self) -> int:
-        """Number of faults recorded in the job so far."""
+        """Number of faults recorded in the job so far: its authentic fault log entries.
+
+        The fault counter is not it: anyone can add to a counter. It only
+        tells waiters when to read the log again (:meth:`fault_signal`).
+        """
+        return len(self.fault_log())
+
+    def fault_signal(self) -> int:
+        """The fault counter: it changes when a fault may have been recorded (a wake-up, not
+        a count; confirm with :meth:`fault_count`)."""
         return self.counter(P.FAULTS)
 
     def record_fault(self, identity: str, reason: str) -> int:
-        """Records a fault attributed to ``identity``; returns the new count."""
+        """Records a fault attributed to ``identity``; returns the fault counter."""
         self._log_fault(identity, reason)
         return int(self.add(P.FAULTS, 1))
 
     def _log_fault(self, identity: str, reason: str) -> None:
-        self.append(P.FAULT_LOG, P.fault_entry(identity, reason, time.time()))
+        self.add_entry(P.FAULT_LOG, P.fault_entry(identity, reason, time.time()).rstrip("\n"))
 
     def fault_log(self) -> list[dict[str, Any]]:
-        return P.parse_fault_log(self.get_or(P.FAULT_LOG))
+        return P.parse_fault_log("\n".join(self.entries(P.FAULT_LOG)))
 
     # ------------------------------------------------------------------ terminated / left ranks
 
@@ -249,85 +335,112 @@ class StoreMixin:
             # Order matters, see the module docstring: the reason first, then
             # the list, then the counters. Whoever sees the death listed (a
             # rendezvous decider) finds its reason in the fault log already.
+            # The log entry is the death's fault (fault_count counts the log).
             self._log_fault(identity, P.TERMINATED_PREFIX + reason)
-            self.append(P.TERMINATED, P.identity_record(identity))
+            self.add_entry(P.TERMINATED, P.check_identity(identity))
             self.add(P.TERMINATED_EPOCH, 1)
             self.add(P.FAULTS, 1)
-            self.set(P.per_identity(P.COUNTED, identity), "1")
         return won
 
     def terminated(self) -> set[str]:
-        return set(_split(self.get_or(P.TERMINATED)))
+        return set(self.identities(P.TERMINATED))
 
     def terminated_epoch(self) -> int:
+        """A wake-up for waiters: changes when a death may have been listed."""
         return self.counter(P.TERMINATED_EPOCH)
 
     def is_terminated(self, identity: str) -> bool:
-        return bool(self.check([P.per_identity(P.TERMINATED, identity)]))
+        return self.read(P.per_identity(P.TERMINATED, identity)) is not None
 
     def mark_left(self, identity: str) -> None:
         """Records a clean departure (a discarded rank); not a fault."""
-        self.set(P.per_identity(P.LEFT, identity), "1")
-        self.append(P.LEFT, P.identity_record(identity))
+        self.add_entry(P.LEFT, P.check_identity(identity))
 
     def left(self) -> set[str]:
-        return set(_split(self.get_or(P.LEFT)))
+        return set(self.identities(P.LEFT))
 
     # ------------------------------------------------------------------ joins
 
     def request_join(self, identity: str) -> None:
         """A new process asks to join a running job at its next restart."""
-        self.append(P.JOIN_REQUESTS, P.identity_record(identity))
+        self.add_entry(P.JOIN_REQUESTS, P.check_identity(identity))
         self.record_fault(identity, "join request")
 
     def join_requests(self) -> list[str]:
-        seen: dict[str, None] = {}
-        for identity in _split(self.get_or(P.JOIN_REQUESTS)):
-            seen.setdefault(identity)
-        return list(seen)
+        return self.identities(P.JOIN_REQUESTS)
 
     # ------------------------------------------------------------------ heartbeats
 
     def send_heartbeat(self, identity: str) -> int:
-        return int(self.add(P.per_identity("heartbeat", identity), 1))
+        """Writes a new heartbeat of ``identity``: a sealed, increasing stamp (this node's
+        monotonic clock), so an old one replayed never reads as a new one."""
+        stamp = time.monotonic_ns()
+        self.put(P.per_identity("heartbeat", identity), str(stamp))
+        return stamp
 
     def heartbeats(self, identities: Sequence[str]) -> list[int]:
+        """The latest authentic heartbeat stamp of each identity (0: none)."""
         if not identities:
             return []
         keys = [P.per_identity("heartbeat", identity) for identity in identities]
         present = [self.check([key]) for key in keys]
         values = self.multi_get([k for k, p in zip(keys, present, strict=True) if p])
         it = iter(values)
-        return [int(_to_str(next(it))) if p else 0 for p in present]
+        stamps = []
+        for key, p in zip(keys, present, strict=True):
+            record = self.decode_entries(key, next(it)) if p else []
+            stamps.append(P.int_or_none(record[0] if record else None) or 0)
+        return stamps
 
     # ------------------------------------------------------------------ membership
 
     def publish_membership(self, iteration: int, members: Sequence[str]) -> None:
         """Makes the latest decided membership visible to monitors and joiners."""
-        self.set(P.MEMBERSHIP, P.Membership(iteration, tuple(members)).encode())
+        self.put(P.MEMBERSHIP, P.Membership(iteration, tuple(members)).encode())
 
     def membership(self) -> tuple[int, list[str]] | None:
-        text = self.get_or(P.MEMBERSHIP)
-        if not text:
+        published = P.Membership.parse(self.read(P.MEMBERSHIP), self.path(P.MEMBERSHIP))
+        if published is None:
             return None
-        published = P.Membership.decode(text)
         return published.iteration, list(published.members)
 
     # ------------------------------------------------------------------ outcome
 
     def outcome(self, iteration: int) -> str:
-        return self.get_or(P.iteration_key(iteration, "outcome"))
+        """``"completed"``, ``"fault"``, or ``""`` while undecided."""
+        return self.read(P.iteration_key(iteration, "outcome")) or ""
 
     def decide_outcome(self, iteration: int, outcome: str) -> str:
         """Proposes ``"completed"`` or ``"fault"`` for ``iteration``; returns what stands."""
-        return _to_str(self.compare_set(P.iteration_key(iteration, "outcome"), "", outcome))
+        if outcome not in (P.COMPLETED, P.FAULT):
+            raise ValueError(f"outcome must be {P.COMPLETED!r} or {P.FAULT!r}, got {outcome!r}")
+        return self.set_once(P.iteration_key(iteration, "outcome"), outcome)[1]
 
     def mark_completed(self, identity: str, iteration: int) -> None:
         """Records that ``identity`` finished the job, so its exit is not a fault."""
-        self.set(P.per_identity("completed", identity), str(iteration))
+        self.put(P.per_identity("completed", identity), str(iteration))
 
     def has_completed(self, identity: str) -> bool:
-        return bool(self.check([P.per_identity("completed", identity)]))
+        return self.read(P.per_identity("completed", identity)) is not None
+
+    def all_arrived(self, key: str, members: Sequence[str]) -> dict[str, str] | None:
+        """The authentic arrivals (``identity=value`` records) at list ``key`` once every one of
+        ``members`` has one; ``None`` before. Used where a counter only wakes the reader."""
+        arrivals = self.by_identity(key)
+        return arrivals if all(m in arrivals for m in members) else None
+
+    def by_identity(self, key: str, raw: bytes | str | None = None) -> dict[str, str]:
+        """The authentic ``identity=value`` records at ``key`` (or in ``raw`` read from it),
+        the first value of each identity."""
+        found: dict[str, str] = {}
+        entries = self.entries(key) if raw is None else self.decode_entries(key, raw)
+        for entry in entries:
+            identity, _, value = entry.partition("=")
+            if P.valid_name(identity):
+                found.setdefault(identity, value)
+            else:
+                reject(self.path(key), "a malformed identity")
+        return found
 
     # ------------------------------------------------------------------ rendezvous
 
@@ -360,21 +473,24 @@ class StoreMixin:
         # The last to arrive decides at once; waiters poll two keys: the
         # decision, and the terminated epoch (a death may complete the
         # rendezvous without its arrival).
-        complete = self._arrive(name, identity, value, len(members))
+        complete = self._arrive(name, identity, value, members)
         deadline = time.monotonic() + timeout.total_seconds()
         poller = Poller(poll_limit)
         seen_epoch = -1
         while True:
             if not complete:
                 if self.check([done_key]):
-                    return _to_str(self.get(done_key))
+                    # None: only a stranger's garbage there
+                    published = P.first_or_none(self.decode_entries(done_key, self.get(done_key)))
+                    if published is not None:
+                        return published
                 epoch = self.terminated_epoch()
                 if epoch != seen_epoch:
                     seen_epoch = epoch
                     complete = self._complete_with_terminated(name, members)
             if complete:
                 decision = self._decide(name, members, decide)
-                return _to_str(self.compare_set(done_key, "", decision))
+                return self.set_once(done_key, decision)[1]
             if time.monotonic() >= deadline:
                 raise BarrierTimeout(
                     f"rendezvous {name!r} timed out after {timeout.total_seconds():.3g}s "
@@ -384,33 +500,36 @@ class StoreMixin:
                 on_wait()
             poller.sleep(deadline)
 
-    def _arrive(self, name: str, identity: str, value: str, size: int) -> bool:
-        """Arrives once; returns whether this arrival was the last one."""
-        # set_once makes arrival idempotent (a rank and an observer acting for it
-        # count once). The value is appended before the counter is raised, so a
-        # decider that sees the full count also sees every value.
-        won, _ = self.set_once(f"{name}/arrived/{identity}", uuid.uuid4().hex)
-        if not won:
-            return False
-        self.append(f"{name}/arrivals", f"{identity}={value}\n")
+    def _arrive(self, name: str, identity: str, value: str, members: Sequence[str]) -> bool:
+        """Arrives; returns whether the rendezvous is complete with this arrival.
+
+        The arrival is a sealed record (a rank and an observer acting for it
+        count once: the first record of an identity stands). It is appended
+        before the counter is raised, so the last to raise it reads every
+        arrival. The counter only says when to read: anyone can add to it, so
+        completion is checked on the authentic arrivals (and deaths).
+        """
+        self.add_entry(f"{name}/arrivals", f"{identity}={value}")
         count = int(self.add(f"{name}/count", 1))
-        if count > size:
-            raise BarrierOverflow(f"rendezvous {name!r}: {count} arrivals for {size}")
-        return count == size
+        return count >= len(members) and self._complete(name, members)
 
     def _arrivals(self, name: str) -> dict[str, str]:
-        arrivals: dict[str, str] = {}
-        for line in self.get_or(f"{name}/arrivals").splitlines():
-            identity, _, value = line.partition("=")
-            arrivals.setdefault(identity, value)
-        return arrivals
+        return self.by_identity(f"{name}/arrivals")
 
     def _complete_with_terminated(self, name: str, members: Sequence[str]) -> bool:
+        """Whether deaths complete the rendezvous (read when a death may have been listed;
+        the arrivals only when a member is dead)."""
         dead = self.terminated().intersection(members)
-        if not dead:
-            return False
-        missing = dead.difference(self._arrivals(name))
-        return self.counter(f"{name}/count") + len(missing) >= len(members)
+        return bool(dead) and self._complete(name, members, dead)
+
+    def _complete(self, name: str, members: Sequence[str], dead: set[str] | None = None) -> bool:
+        """Whether every member has arrived or is terminated (authentic records only);
+        called once this rank's arrival is in (the arrivals key exists)."""
+        arrived = self.by_identity(f"{name}/arrivals", raw=self.get(f"{name}/arrivals"))
+        missing = [m for m in members if m not in arrived]
+        if not missing:
+            return True
+        return (self.terminated() if dead is None else dead).issuperset(missing)
 
     def _decide(
         self,
@@ -418,21 +537,22 @@ class StoreMixin:
         members: Sequence[str],
         decide: Callable[[dict[str, str], set[str], int], str],
     ) -> str:
-        # Read order is the protocol's invariant: faults, then terminated. A
-        # member listed as dead whose fault is not counted yet would raise the
-        # counter above this baseline a moment later and fault the iteration
-        # decided here for a death it already handles: read both again until
-        # every listed death of a member is counted. Bounded: an observer that
-        # died between listing and counting never counts it (the counter then
-        # never rises for it either).
+        # Read order is the protocol's invariant: faults (the log), then
+        # terminated. A member listed as dead whose fault entry was logged after
+        # the log was read would raise the count above this baseline and fault
+        # the iteration decided here for a death it already handles: read both
+        # again until the log read has every listed death of a member. A death
+        # is logged before it is listed, so this ends at the second read unless
+        # more ranks keep dying; it is bounded by COUNTED_WAIT all the same.
         deadline = time.monotonic() + COUNTED_WAIT
         while True:
-            baseline = self.fault_count()
+            entries = self.fault_log()
             terminated = self.terminated().intersection(members)
-            counted = [P.per_identity(P.COUNTED, i) for i in terminated]
-            if not counted or self.check(counted) or time.monotonic() >= deadline:
+            logged = P.terminations(entries)
+            if terminated.issubset(logged) or time.monotonic() >= deadline:
                 break
             time.sleep(0.001)
+        baseline = len(entries)
         arrivals = self._arrivals(name)
         arrivals = {i: arrivals[i] for i in members if i in arrivals}
         return decide(arrivals, terminated, baseline)
@@ -452,14 +572,21 @@ class StoreMixin:
         for the initial barrier of a call.
         """
         done_key = P.done_key(name)
-        self.append(f"{name}/arrivals", P.identity_record(identity))
-        arrived = int(self.add(f"{name}/count", 1))
-        if arrived > count:
-            raise BarrierOverflow(f"barrier {name!r}: {arrived} arrivals for {count}")
-        if arrived == count:
-            self.set(done_key, self.get(f"{name}/arrivals"))
+        if not P.valid_name(identity):
+            raise ValueError(
+                f"barrier {name!r}: a participant's name has no separators, got {identity!r}"
+            )
+        self.add_entry(f"{name}/arrivals", identity)
+        # The counter says when to read; the authentic arrivals decide.
+        if int(self.add(f"{name}/count", 1)) >= count:
+            arrived = [i for i in self.entries(f"{name}/arrivals") if P.valid_name(i)]
+            if len(arrived) > count:
+                raise BarrierOverflow(f"barrier {name!r}: {len(arrived)} arrivals for {count}")
+            if len(arrived) == count:
+                self.set_once(done_key, P.SEP.join(arrived))
         try:
-            return _split(self.wait_for_key(done_key, timeout, poll_limit, on_wait))
+            published = self.wait_for_key(done_key, timeout, poll_limit, on_wait, sealed=True)
+            return P.split_identities(published)
         except RestartTimeoutError as ex:
             raise BarrierTimeout(
                 f"barrier {name!r} timed out after {timeout.total_seconds():.3g}s "
@@ -482,11 +609,9 @@ class StoreMixin:
         """
         if "\n" in line:
             raise ValueError(f"all_gather_lines: the line of {identity!r} spans lines: {line!r}")
-        self.append(f"{prefix}/lines", line + "\n")
+        self.add_entry(f"{prefix}/lines", f"{identity}={line}")
         self.counted_barrier(f"{prefix}/barrier", identity, count, timeout, poll_limit)
-        raw = self.get(f"{prefix}/lines")
-        text = raw.decode() if isinstance(raw, bytes) else raw
-        return [entry for entry in text.split("\n") if entry]
+        return list(self.by_identity(f"{prefix}/lines").values())
 
     def wait_for_key(
         self,
@@ -494,11 +619,19 @@ class StoreMixin:
         timeout: datetime.timedelta,
         poll_limit: float,
         on_wait: Callable[[], None] | None = None,
+        sealed: bool = False,
     ) -> str:
-        """Polls until ``key`` exists and returns its value."""
+        """Polls until ``key`` exists and returns its value (``sealed``: until it holds an
+        authentic record, and returns the first one)."""
         deadline = time.monotonic() + timeout.total_seconds()
         poller = Poller(poll_limit)
-        while not self.check([key]):
+        while True:
+            if self.check([key]):
+                if not sealed:
+                    return _to_str(self.get(key))
+                published = P.first_or_none(self.decode_entries(key, self.get(key)))
+                if published is not None:
+                    return published
             if time.monotonic() >= deadline:
                 raise RestartTimeoutError(
                     f"key {key!r} did not appear within {timeout.total_seconds():.3g}s"
@@ -506,7 +639,6 @@ class StoreMixin:
             if on_wait is not None:
                 on_wait()
             poller.sleep(deadline)
-        return _to_str(self.get(key))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -720,11 +720,13 @@ class CallWrapper:
         for attempt in itertools.count():
             raw = w.store_factory(**w.store_kwargs)
             if getattr(raw, "is_master", False):
-                raw.set(_RANK_HOSTED_KEY, "1")
-                raw.set(marker, self.identity)
+                raw.put(_RANK_HOSTED_KEY, "1")
+                raw.put(marker, self.identity)
                 return raw
             with contextlib.suppress(Exception):  # the old server may go away meanwhile
-                if not raw.check([_RANK_HOSTED_KEY]) or raw.check([marker]):
+                # Sealed marks: a stranger's key neither sends a rank to an old server
+                # nor holds one back from a launcher's store.
+                if raw.read(_RANK_HOSTED_KEY) is None or raw.read(marker) is not None:
                     return raw
             del raw  # closes the connection to the old server
             if time.monotonic() >= deadline:
@@ -767,7 +769,14 @@ class CallWrapper:
             return
         key = protocol.iteration_key(finished.index, "exit")
         deadline = time.monotonic() + self._config.completion_timeout
-        while self.store.counter(key) < len(finished.members) and time.monotonic() < deadline:
+        seen = -1
+        # The counter wakes; the members' sealed exit records decide.
+        while time.monotonic() < deadline:
+            count = self.store.counter(key)
+            if count != seen and count >= len(finished.members):
+                seen = count
+                if self.store.all_arrived(f"{key}/arrivals", finished.members) is not None:
+                    return
             time.sleep(0.005)
 
     # ---------------------------------------------------------------- barriers
@@ -927,15 +936,20 @@ class CallWrapper:
         store = self.store
         key = protocol.iteration_key(current.index, "completion")
         active = self.state.mode == Mode.ACTIVE
+        # Counters wake; the sealed arrivals (with each rank's mode) decide.
+        store.add_entry(f"{key}/arrivals", f"{self.identity}={'active' if active else 'spare'}")
         if active:
             store.add(f"{key}/active", 1)
         arrived = int(store.add(key, 1))
-        if arrived == len(current.members):
+        if arrived >= len(current.members) and store.all_arrived(
+            f"{key}/arrivals", current.members
+        ):
             proposal = protocol.completion_outcome(store.fault_count(), current.baseline)
             store.decide_outcome(current.index, proposal)
         timeout = self._config.completion_timeout
         deadline = time.monotonic() + timeout if active else None
         poller = _poller(self._config.monitor_thread_interval)
+        seen_active = 0
         while True:
             outcome = store.outcome(current.index)
             if outcome == protocol.COMPLETED:
@@ -943,8 +957,12 @@ class CallWrapper:
             if outcome == protocol.FAULT:
                 raise _mt.exception_with_message(RankShouldRestart, "fault at completion")()
             if deadline is None:
-                if store.counter(f"{key}/active") > 0:
-                    deadline = time.monotonic() + timeout
+                count = store.counter(f"{key}/active")
+                if count != seen_active:
+                    seen_active = count
+                    arrivals = store.by_identity(f"{key}/arrivals")
+                    if "active" in arrivals.values():
+                        deadline = time.monotonic() + timeout
             elif time.monotonic() >= deadline:
                 reason = f"completion timeout ({self._config.completion_timeout:.3g}s)"
                 store.record_fault(self.identity, reason)
@@ -1150,7 +1168,7 @@ class CallWrapper:
 
     def _joining(self) -> bool:
         """Whether the job already started without this process (it was relaunched)."""
-        return bool(self.store.check([protocol.done_key(protocol.INITIAL)]))
+        return self.store.read(protocol.done_key(protocol.INITIAL)) is not None
 
     def _join(self) -> tuple[list[str], set[str], list[str], int] | None:
         """Asks to join and waits for the termination barrier that admits this rank."""
@@ -1162,8 +1180,8 @@ class CallWrapper:
         membership = store.membership()
         iteration = membership[0] if membership else 0
         while time.monotonic() < deadline:
-            done = store.get_or(protocol.done_key(protocol.iteration_key(iteration, "termination")))
-            if done:
+            done = store.read(protocol.done_key(protocol.iteration_key(iteration, "termination")))
+            if done is not None:
                 decision = protocol.decode_termination(done)
                 if protocol.admitted(decision, self.identity):
                     members = store.membership()
@@ -1210,9 +1228,9 @@ class CallWrapper:
                     self._monitor_process,
                 )
         with contextlib.suppress(Exception):
-            self.store.append(
+            self.store.add_entry(
                 "machinery_faults",
-                f"{self.identity}\tmonitor process {reason}\t{time.time():.3f}\n",
+                f"{self.identity}\tmonitor process {reason}\t{time.time():.3f}",
             )
 
     def _finish(self, current: _Iteration) -> None:
@@ -1220,7 +1238,9 @@ class CallWrapper:
         self.store.mark_completed(self.identity, current.index)
         self._finished_iteration = current
         self._monitor_process.shutdown()
-        self.store.add(protocol.iteration_key(current.index, "exit"), 1)
+        key = protocol.iteration_key(current.index, "exit")
+        self.store.add_entry(f"{key}/arrivals", f"{self.identity}=exit")
+        self.store.add(key, 1)
 
 
 @dataclasses.dataclass
@@ -1246,8 +1266,9 @@ def _decide_membership(
     """The iteration barrier's decider: reads the call's joins, then decides
     (:func:`inprocess.protocol.decide_membership`)."""
     gone = store.terminated() | store.left()
+    parsed = {identity: protocol.Arrival.parse(v) for identity, v in arrivals.items()}
     decision = protocol.decide_membership(
-        {identity: protocol.Arrival.decode(v) for identity, v in arrivals.items()},
+        {identity: v for identity, v in parsed.items() if v is not None},
         terminated,
         baseline,
         store.join_requests(),

@@ -6,10 +6,12 @@ import contextlib
 import datetime
 import io
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -88,13 +90,92 @@ def test_namespace_is_keyed_with_the_secret(monkeypatch):
     assert keyed_a.startswith(plain + "/") and len(keyed_a) - len(plain) == 33
 
 
+#: what a stranger appends to every key that is not a counter: garbage, records in
+#: the old formats, a record with a forged MAC, decisions in plain text
+_GARBAGE = (
+    "notanumber/x,",
+    "7/1.forgedjoin,",
+    '{"rank": "1/0.forged", "reason": "RuntimeError: forged", "time": 0}\n',
+    "\n7/1.forgedjoin~AAAAAAAAAAAAAAAA\n",
+    '{"iteration": 9, "members": ["0/0.forged"]}\n',
+    "fault",
+    "completed",
+    "\xff\xfe",
+)
+_IDENTITY = re.compile(r"[0-9]+/[0-9]+\.[0-9a-f]{10}")
+
+
+class _Stranger(threading.Thread):
+    """A client of the job's store without the secret: lists every key (torch >= 2.13),
+    adds to every counter, appends garbage to every other key, and forges deaths,
+    join requests, faults and outcomes of the identities it reads, round after round
+    until stopped (or until the store goes away with the job)."""
+
+    def __init__(self, port: int) -> None:
+        super().__init__(name="stranger", daemon=True)
+        self.port = port
+        self.stop = threading.Event()
+        self.rounds = 0
+        self.keys: set[str] = set()
+        self.identities: set[str] = set()
+        self.counters: set[str] = set()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        client = _client(self.port)
+        try:
+            while not self.stop.is_set():
+                self._round(client)
+                self.rounds += 1
+                self.stop.wait(0.1)
+        except Exception as ex:  # the store ended with the job
+            self.error = ex
+        finally:
+            del client
+
+    def _round(self, client) -> None:
+        keys = client.list_keys()
+        self.keys.update(keys)
+        calls = set()
+        for key in keys:
+            if key.endswith("/membership"):
+                calls.add(key.removesuffix("/membership"))
+            value = client.get(key)
+            self.identities.update(_IDENTITY.findall(value.decode(errors="replace")))
+            if value.strip().isdigit():
+                # A counter: only add (an appended digit could overflow it; a
+                # non-number written to it is a denial of service, not tested here).
+                self.counters.add(key)
+                client.add(key, 3)
+            else:
+                for text in _GARBAGE:
+                    client.append(key, text)
+        for call in calls:
+            forged = {
+                "terminated": [f"{i}," for i in self.identities],
+                "left": [f"{i}," for i in self.identities],
+                "join_requests": ["notanumber/x,", "5/1.0123456789,"],
+                "fault_log": ['{"rank": "0/0.0123456789", "reason": "forged", "time": 1}\n'],
+                "iter/0/outcome": ["fault"],
+                "iter/0/termination/done": ['{"terminated": [], "joiners": ["5/1.0123456789"]}'],
+            }
+            forged.update({f"terminated/{i}": ["forged"] for i in self.identities})
+            for key, texts in forged.items():
+                for text in texts:
+                    client.append(f"{call}/{key}", text)
+            client.add(f"{call}/faults", 1)
+            client.add(f"{call}/terminated_epoch", 1)
+
+
 @SLOW
-@pytest.mark.timeout(240)
-def test_store_refuses_outsiders(tmp_path, monkeypatch):
-    """Bound to --master-addr only; a client without the secret changes nothing the job sees."""
-    secret = "issue9-test-secret"
+@pytest.mark.timeout(300)
+def test_a_stranger_without_the_secret_cannot_steer_the_job(tmp_path, monkeypatch):
+    """Bound to --master-addr only; a client without the secret that lists the keys and
+    writes to every one of them, all along the job, changes nothing the job does: no
+    restart, no expulsion, no crash, the exact result."""
+    secret = "issue24-test-secret"
     monkeypatch.setitem(e2e.ENV, "INPROCESS_JOB_SECRET", secret)
-    with Launch(tmp_path, script_args=["--steps", "150", "--step-time", "0.03"]) as launch:
+    with Launch(tmp_path, script_args=["--steps", "200", "--step-time", "0.03"]) as launch:
         launch.wait_until(lambda: launch.running_at_step(10), what="training")
         port = launch.state()["store"]["port"]
         assert _reachable("127.0.0.1", port)
@@ -105,17 +186,28 @@ def test_store_refuses_outsiders(tmp_path, monkeypatch):
             real = f"inprocess/{keyed_namespace(f'{launch.job_id}/g0', secret)}"
             assert client.check([f"{real}/wrapped"])  # with the secret: the job's keys
             assert not client.check([f"{old}/wrapped"])
-            assert not client.check([f"{old}/call0/membership"])
-            for ns in (old, f"inprocess/{launch.job_id}", "inprocess/default"):
-                client.append(f"{ns}/call0/terminated", "1/0.0123456789,")
-                client.add(f"{ns}/call0/faults", 5)
-                client.add(f"{ns}/call0/terminated_epoch", 1)
         finally:
             del client
-        e2e.check_clean_success(launch, 150)
+        stranger = _Stranger(port)
+        stranger.start()
+        try:
+            code = launch.finish()
+        finally:
+            stranger.stop.set()
+            stranger.join(30)
+        assert code == 0, launch.output()
+        # the stranger did reach the job's keys, its identities and counters
+        assert stranger.rounds >= 3, (stranger.rounds, stranger.error)
+        assert any(k.startswith(real) and k.endswith("/membership") for k in stranger.keys)
+        assert len(stranger.identities) >= 4 and any(
+            k.endswith("/faults") for k in stranger.counters
+        ), (stranger.identities, stranger.counters)
+        e2e.check_clean_success(launch, 200)
         state = launch.state()
         assert all(v == 0 for v in state["worker_restarts"].values()), state
-        assert not any(e["kind"] == "start" and e["world"] != 4 for e in launch.events())
+        starts = [e for e in launch.events() if e["kind"] == "start"]
+        assert sorted(e["rank"] for e in starts) == [0, 1, 2, 3], starts  # no restart
+        assert all(e["world"] == 4 and e["iteration"] == 0 for e in starts), starts
 
 
 # ----------------------------------------------------------------- deliverable 4

@@ -397,8 +397,9 @@ def test_filter_detects_inconsistent_terminated_sets():
     fgk = FilterGroupedByKey("k", bool, timeout=datetime.timedelta(seconds=5))
     store = HashStore()
     prefix = f"inprocess/filter_grouped_by_key/{fgk.name}"
-    store.append(f"{prefix}/keys", "1=k\n")
-    store.append(f"{prefix}/barrier/arrivals", "1,")
+    # rank 1's line and arrival, as it writes them (sealed records)
+    store.add_entry(f"{prefix}/lines", "1=1=k")
+    store.add_entry(f"{prefix}/barrier/arrivals", "1")
     store.add(f"{prefix}/barrier/count", 1)
     with pytest.raises(InternalError, match="expected the 2 surviving ranks"):
         fgk(State(rank=0, world_size=3, store=store), {1})
