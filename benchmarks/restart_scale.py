@@ -1,0 +1,397 @@
+"""What one restart's protocol costs at many ranks, beside torch's own store barrier.
+
+One ``inprocess.store.TCPStore`` server (torch's libuv server) runs in a process
+of its own. ``--procs`` worker processes each run N/procs threads; every thread
+is one simulated rank with its own client connection. Each rank runs the
+Wrapper's own code for a call and for one restart after an exception (the
+methods of :class:`inprocess.wrap.CallWrapper` that ``_run`` calls, on a real
+``CallWrapper`` with the default rank assignment ``ShiftRanks``):
+
+* once, not measured: ``_initial_barrier`` then ``_iteration_barrier(0)``;
+* per restart: one rank's function raised (``_classify_fault`` records the fault
+  and decides the outcome), every other rank was interrupted (its monitor thread
+  proposes the fault outcome, its ``_classify_fault`` sees ``RankShouldRestart``),
+  then ``_abort``, ``_finalize``, ``_health_check`` (no callbacks: no work),
+  ``_termination_barrier``, ``publish_phases``, ``_iteration_barrier(k + 1)``,
+  and what the rank's monitor process reads of the new iteration (as
+  ``watch_peers`` does: ``StoreMixin.peers``, or ``membership`` where that
+  does not exist);
+* in the same run, at the same N, torch's
+  ``torch.distributed.elastic.utils.store.barrier`` twice on each rank's client.
+
+All ranks start a restart at once (released by one key): the time for the
+monitor threads to notice a fault is not part of the protocol's cost.
+``restart_s`` runs from that release to the last rank's return from the
+iteration barrier; ``torch_barrier_x2_s`` from its release to the last rank's
+return from the second barrier. ``server_bytes`` is the growth of ``rchar +
+wchar`` in ``/proc/<server pid>/io`` (bytes the server read from and wrote to
+its sockets) over one restart, and ``server_ops`` the growth of ``syscr`` (read
+system calls: one per request of a client that waits for each answer, as every
+client here does); both less the harness's own release/finish keys, measured
+by an empty round. ``--steady SECONDS`` also runs a few real ``Wrapper`` ranks
+(processes with monitor thread and monitor process) in a function that only
+sleeps, and counts the server's operations per rank per second with no fault.
+
+    python benchmarks/restart_scale.py --ranks 1024,4096 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import multiprocessing
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import types
+from typing import Any
+
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
+
+#: the initial rank whose function raises
+FAULTY = 1
+HOST = "127.0.0.1"
+
+
+def _td(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)
+
+
+# ----------------------------------------------------------------------------- server
+
+
+def serve(queue: Any, stop: Any) -> None:
+    """The store server's process: hosts the store until ``stop`` is set."""
+    from inprocess._net import free_port
+    from inprocess.store import TCPStore
+
+    store = TCPStore(host_name=HOST, port=free_port(), is_master=True, timeout=_td(900))
+    queue.put((os.getpid(), store.port))
+    stop.wait()
+    del store
+
+
+def server_io(pid: int) -> tuple[int, int]:
+    """(bytes read + written, read system calls) of the server so far."""
+    with open(f"/proc/{pid}/io") as f:
+        fields = dict(line.split(": ") for line in f.read().splitlines())
+    return int(fields["rchar"]) + int(fields["wchar"]), int(fields["syscr"])
+
+
+# ----------------------------------------------------------------------------- ranks
+
+
+def _finish(raw: Any, phase: str, n: int) -> None:
+    if int(raw.add(f"bench/{phase}/n", 1)) == n:
+        raw.set(f"bench/{phase}/done", "1")
+
+
+def rank_main(
+    port: int, rank: int, n: int, rounds: int, timeout: float, ends: dict[str, float], errors: list
+) -> None:
+    """One simulated rank: the Wrapper's code for the setup and for ``rounds`` restarts."""
+    import torch.distributed.elastic.utils.store as elastic_store
+
+    from inprocess import Wrapper, records
+    from inprocess.monitor_thread import RankShouldRestart
+    from inprocess.state import State
+    from inprocess.store import PrefixStore, TCPStore, new_identity
+    from inprocess.wrap import CallWrapper, _Result
+
+    def read_peers(store: Any, identity: str) -> Any:
+        # what MonitorProcess's watch_peers reads: the peers its rank published
+        # (before: the whole membership)
+        if hasattr(store, "peers"):
+            return store.peers(identity)
+        return store.membership()
+
+    try:
+        raw = TCPStore(host_name=HOST, port=port, is_master=False, timeout=_td(timeout))
+        raw.add("bench/connected", 1)
+        raw.wait(["bench/start"], _td(timeout))
+        wrapper = Wrapper(abort=None, barrier_timeout=_td(timeout))
+        cw = CallWrapper(wrapper)
+        cw.state = State(rank=rank, world_size=n)
+        cw.identity = new_identity(rank)
+        cw._records = records.Recorder(None, cw.identity, "", 0)
+        cw.store = PrefixStore("inprocess/bench/call0", raw)
+        members = cw._initial_barrier()
+        current = cw._iteration_barrier(0, cw._copy_state(), members, set(), [])
+        _finish(raw, "setup", n)
+        for k in range(rounds):
+            # an empty round: the harness's own cost, subtracted from the others
+            raw.wait([f"bench/null{k}/go"], _td(timeout))
+            _finish(raw, f"null{k}", n)
+
+            raw.wait([f"bench/restart{k}/go"], _td(timeout))
+            if rank == FAULTY:
+                ex: BaseException = RuntimeError("injected fault")
+            else:
+                # what its monitor thread does once it sees the fault counter raised
+                cw.store.decide_outcome(current.index, "fault")
+                ex = RankShouldRestart()
+            cw._classify_fault(_Result(exception=ex), types.SimpleNamespace(cause="fault"))
+            previous = cw._copy_state()
+            cw._abort()
+            cw._finalize(ex)
+            cw._health_check(ex)
+            terminated, joiners = cw._termination_barrier(current)
+            cw._records.publish_phases(cw.store, terminated)
+            cw._log_root_cause(ex)
+            current = cw._iteration_barrier(
+                current.index + 1, previous, current.members, terminated, joiners
+            )
+            ends[f"restart{k}"] = max(ends.get(f"restart{k}", 0.0), time.monotonic())
+            # the rank's monitor process, on its next check: who are its peers now
+            while True:
+                published = read_peers(cw.store, cw.identity)
+                if published is not None and published[0] == current.index:
+                    break
+                time.sleep(0.05)
+            _finish(raw, f"restart{k}", n)
+
+            raw.wait([f"bench/torch{k}/go"], _td(timeout))
+            for attempt in ("a", "b"):
+                elastic_store.barrier(raw, n, f"torchbarrier/{k}/{attempt}", timeout, rank=rank)
+            ends[f"torch{k}"] = max(ends.get(f"torch{k}", 0.0), time.monotonic())
+            _finish(raw, f"torch{k}", n)
+        del cw
+    except BaseException as ex:  # reported by the main process
+        errors.append(f"rank {rank}: {type(ex).__name__}: {ex}")
+
+
+def worker(port: int, ranks: list[int], n: int, rounds: int, timeout: float, out: Any) -> None:
+    logging.basicConfig(level=logging.ERROR)
+    logging.getLogger("inprocess").setLevel(logging.ERROR)
+    threading.stack_size(512 * 1024)
+    ends: dict[str, float] = {}
+    errors: list[str] = []
+    threads = [
+        threading.Thread(
+            target=rank_main, args=(port, r, n, rounds, timeout, ends, errors), daemon=True
+        )
+        for r in ranks
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    out.put((ends, errors))
+
+
+# ----------------------------------------------------------------------------- one N
+
+
+def run(n: int, procs: int, rounds: int, timeout: float) -> dict[str, Any]:
+    from inprocess.store import TCPStore
+
+    ctx = multiprocessing.get_context("spawn")
+    queue, stop, out = ctx.Queue(), ctx.Event(), ctx.Queue()
+    server = ctx.Process(target=serve, args=(queue, stop), daemon=True)
+    server.start()
+    pid, port = queue.get(timeout=120)
+    procs = max(1, min(procs, n))
+    workers = [
+        ctx.Process(
+            target=worker,
+            args=(port, list(range(p, n, procs)), n, rounds, timeout, out),
+            daemon=True,
+        )
+        for p in range(procs)
+    ]
+    result: dict[str, Any] = {"ranks": n, "procs": procs, "rounds": rounds}
+    control = TCPStore(host_name=HOST, port=port, is_master=False, timeout=_td(timeout))
+    deadline = time.monotonic() + timeout
+
+    def phase(name: str) -> tuple[float, int, int]:
+        """Releases phase ``name``; returns its duration as seen here, bytes and ops."""
+        bytes0, ops0 = server_io(pid)
+        start = time.monotonic()
+        control.set(f"bench/{name}/go", "1")
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(name)
+        try:
+            control.wait([f"bench/{name}/done"], _td(left))
+        except Exception as ex:
+            raise TimeoutError(name) from ex
+        bytes1, ops1 = server_io(pid)
+        return start, bytes1 - bytes0, ops1 - ops0
+
+    samples: dict[str, list[float]] = {"null": [], "restart": [], "torch": []}
+    volume: dict[str, list[tuple[int, int]]] = {"null": [], "restart": [], "torch": []}
+    starts: dict[str, float] = {}
+    try:
+        for process in workers:
+            process.start()
+        while int(control.add("bench/connected", 0)) < n:
+            if time.monotonic() > deadline:
+                raise TimeoutError("connect")
+            time.sleep(0.1)
+        result["connect_s"] = round(time.monotonic() - (deadline - timeout), 2)
+        start = time.monotonic()
+        control.set("bench/start", "1")
+        try:
+            control.wait(["bench/setup/done"], _td(max(1.0, deadline - time.monotonic())))
+        except Exception as ex:
+            raise TimeoutError("setup (initial and first iteration barrier)") from ex
+        result["setup_s"] = round(time.monotonic() - start, 3)
+        for k in range(rounds):
+            for kind in ("null", "restart", "torch"):
+                begun, nbytes, ops = phase(f"{kind}{k}")
+                starts[f"{kind}{k}"] = begun
+                volume[kind].append((nbytes, ops))
+                if kind == "null":
+                    samples[kind].append(time.monotonic() - begun)
+        stop_workers = True
+    except TimeoutError as ex:
+        result["incomplete"] = f"timed out in phase {ex} after {timeout:.0f} s"
+        stop_workers = False
+    ends: dict[str, float] = {}
+    errors: list[str] = []
+    if stop_workers:
+        for _ in workers:
+            got_ends, got_errors = out.get(timeout=120)
+            errors += got_errors
+            for key, value in got_ends.items():
+                ends[key] = max(ends.get(key, 0.0), value)
+    for process in workers:
+        process.join(1 if not stop_workers else 30)
+        if process.is_alive():
+            process.kill()
+            process.join(5)
+    stop.set()
+    server.join(30)
+    if server.is_alive():
+        server.kill()
+    for key, begun in starts.items():
+        kind = key.rstrip("0123456789")
+        if kind != "null" and key in ends:
+            samples[kind].append(ends[key] - begun)
+    if errors:
+        result["errors"] = len(errors)
+        result["first_error"] = errors[0]
+    null_bytes = statistics.median(b for b, _ in volume["null"]) if volume["null"] else 0
+    null_ops = statistics.median(o for _, o in volume["null"]) if volume["null"] else 0
+    for kind, label in (("restart", "restart"), ("torch", "torch_barrier_x2")):
+        if samples[kind]:
+            result[f"{label}_s"] = round(statistics.median(samples[kind]), 4)
+            result[f"{label}_max_s"] = round(max(samples[kind]), 4)
+        if volume[kind]:
+            nbytes = statistics.median(b for b, _ in volume[kind]) - null_bytes
+            ops = statistics.median(o for _, o in volume[kind]) - null_ops
+            prefix = "" if kind == "restart" else "torch_"
+            result[f"{prefix}server_bytes"] = int(nbytes)
+            result[f"{prefix}server_ops"] = int(ops)
+            result[f"{prefix}bytes_per_rank"] = round(nbytes / n, 1)
+            result[f"{prefix}ops_per_rank"] = round(ops / n, 2)
+    if samples["null"]:
+        result["harness_s"] = round(statistics.median(samples["null"]), 4)
+    return result
+
+
+# ----------------------------------------------------------------------------- steady state
+
+STEADY_RANK = """
+import os, sys, time, datetime, logging
+logging.basicConfig(level=logging.WARNING)
+from inprocess import Wrapper
+from inprocess.store import TCPStore
+seconds = float(sys.argv[1])
+@Wrapper(abort=None, store_kwargs={"host_name": "127.0.0.1", "is_master": False})
+def train():
+    store = TCPStore(host_name="127.0.0.1", is_master=False)
+    store.add("steady/ready", 1)
+    store.wait(["steady/stop"], datetime.timedelta(seconds=seconds + 120))
+train()
+"""
+
+
+def steady(ranks: int, seconds: float) -> dict[str, Any]:
+    """Store operations per rank per second of a real job's ranks with no fault."""
+    from inprocess.store import TCPStore
+
+    ctx = multiprocessing.get_context("spawn")
+    queue, stop = ctx.Queue(), ctx.Event()
+    server = ctx.Process(target=serve, args=(queue, stop), daemon=True)
+    server.start()
+    pid, port = queue.get(timeout=120)
+    env = dict(
+        os.environ,
+        MASTER_ADDR=HOST,
+        MASTER_PORT=str(port),
+        WORLD_SIZE=str(ranks),
+        PYTHONPATH=os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p),
+    )
+    control = TCPStore(host_name=HOST, port=port, is_master=False, timeout=_td(300))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", STEADY_RANK, str(seconds)], env=dict(env, RANK=str(r))
+        )
+        for r in range(ranks)
+    ]
+    try:
+        control.wait(["steady/ready"], _td(1))
+    except Exception:
+        pass
+    deadline = time.monotonic() + 300
+    while int(control.add("steady/ready", 0)) < ranks and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(2.0)  # past the start of every rank's monitor thread and process
+    bytes0, ops0 = server_io(pid)
+    time.sleep(seconds)
+    bytes1, ops1 = server_io(pid)
+    control.set("steady/stop", "1")
+    for proc in procs:
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    stop.set()
+    server.join(30)
+    return {
+        "steady_ranks": ranks,
+        "window_s": seconds,
+        "ops_per_rank_per_s": round((ops1 - ops0) / ranks / seconds, 3),
+        "bytes_per_rank_per_s": round((bytes1 - bytes0) / ranks / seconds, 1),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", default="256,1024", help="comma-separated simulated ranks")
+    parser.add_argument("--procs", type=int, default=8, help="worker processes (threads split)")
+    parser.add_argument("--rounds", type=int, default=3, help="restarts per N (median)")
+    parser.add_argument("--timeout", type=float, default=300, help="seconds per N, in all")
+    parser.add_argument("--steady", type=float, default=0, help="seconds of steady state (0: no)")
+    parser.add_argument("--steady-ranks", type=int, default=4)
+    parser.add_argument("--json", action="store_true", help="one JSON object per line")
+    args = parser.parse_args()
+    try:
+        sizes = [int(x) for x in args.ranks.split(",") if x]
+    except ValueError:
+        parser.error(f"--ranks must be comma-separated integers, got {args.ranks!r}")
+    if any(n < 2 for n in sizes):
+        parser.error("--ranks: every size must be at least 2")
+
+    def show(output: dict[str, Any]) -> None:
+        if args.json:
+            print(json.dumps(output), flush=True)
+        else:
+            print(", ".join(f"{k}={v}" for k, v in output.items()), flush=True)
+
+    for n in sizes:
+        show(run(n, args.procs, args.rounds, args.timeout))
+    if args.steady > 0:
+        show(steady(args.steady_ranks, args.steady))
+
+
+if __name__ == "__main__":
+    main()
