@@ -132,12 +132,11 @@ def open_first(name: str, value: bytes | str | None, secret: str | None = None) 
 
 def reject(name: str, what: str) -> None:
     """Logs, once per store key and process, that a value of ``name`` was ignored."""
-    if name in _REJECTED:
-        return
+    if name in _REJECTED or len(_REJECTED) > _REJECTED_LOGGED_MAX:
+        return  # (the set stays bounded: one more entry marks the end of logging)
     _REJECTED.add(name)
     if len(_REJECTED) > _REJECTED_LOGGED_MAX:
-        if len(_REJECTED) == _REJECTED_LOGGED_MAX + 1:
-            log.warning("ignoring bad values in more store keys; no longer logging them")
+        log.warning("ignoring bad values in more store keys; no longer logging them")
         return
     log.warning(
         "ignored %s in store key %r: not written by this job (a client without its "
