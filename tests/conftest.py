@@ -25,6 +25,14 @@ def _handlers() -> dict[str, int]:
     return {lg.name: len(lg.handlers) for lg in loggers}
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Imports once, outside every test's timeout, what torch imports lazily on
+    first use: the first optimizer built imports ``torch._dynamo`` (sympy and
+    all), which took over 60 s on a loaded 2-core machine and failed whichever
+    test happened to build the first optimizer."""
+    import torch._dynamo  # noqa: F401
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _warm_up_one_time_resources():
     """Process-wide resources created once (libuv's signal pipes of the TCPStore

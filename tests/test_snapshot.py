@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import threading
@@ -147,6 +148,67 @@ def test_a_snapshot_torn_mid_copy_is_never_restored():
         pair.writable().fill(3, 0, state)
     assert [s.step for s in pair.held()] == [2]  # step 1's slot was being overwritten
     assert pair.at(3) is None
+
+
+@pytest.fixture
+def slow_copies(monkeypatch):
+    """Host copies that take 0.3 s: the next step surely starts while one runs."""
+    from inprocess.snapshot import buffers
+
+    real = buffers._copy
+    started = threading.Event()
+
+    def slow(*args):
+        started.set()
+        threading.Event().wait(0.3)
+        return real(*args)
+
+    monkeypatch.setattr(buffers, "_copy", slow)
+    return started
+
+
+def test_a_host_copy_overlaps_the_next_step_until_its_optimizer_step(slow_copies):
+    state = _state()
+    model, opt = state["model"], state["optim"]
+    snaps = Snapshots()
+    snaps.commit(state, 1, 0)
+    expected = sm.fingerprint(model)
+    assert slow_copies.wait(5)
+    slot = snaps.own.slots[0]
+    assert slot._event is not None  # in flight, on the copier's thread
+    # the next step's forward and backward read the state while it is copied ...
+    grads = sm.local_grads(model, 1, 0, 1)
+    # ... and its optimizer step waits for the copy before changing anything
+    sm.apply(model, opt, grads)
+    assert slot._event is None or slot._event.query()
+    assert [s.step for s in snaps.own.held()] == [1]
+    assert snaps.restore(state, True, 1) == 1
+    assert sm.fingerprint(model) == expected
+    snaps.close()
+    assert not any(t.name.startswith("inprocess-snapshot-copy") for t in threading.enumerate())
+    from torch.optim import optimizer
+
+    assert not optimizer._global_optimizer_pre_hooks
+
+
+def test_a_source_changed_outside_the_optimizer_during_the_copy_discards_it(slow_copies, caplog):
+    caplog.set_level(logging.WARNING, "inprocess.snapshot")
+    state = _state()
+    snaps = Snapshots()
+    snaps.commit(state, 1, 0)
+    snaps.holdings()  # step 1 complete
+    snaps.commit(state, 2, 0)
+    assert slow_copies.wait(5)
+    with torch.no_grad():
+        next(state["model"].parameters()).add_(1.0)  # not through the optimizer
+    snaps.holdings()  # waits for the copy
+    assert [s.step for s in snaps.own.held()] == [1]  # step 2 torn: never restored
+    assert "source changed while it was copied" in caplog.text
+    snaps.commit(state, 3, 0)  # later commits copy here, synchronously
+    assert snaps.own.slots[0]._event is None and snaps.own.slots[1]._event is None
+    assert [s.step for s in snaps.own.held()] == [3, 1]
+    assert caplog.text.count("source changed") == 1
+    snaps.close()
 
 
 def test_buffers_are_reused_and_restores_do_not_alias_them():

@@ -4,7 +4,11 @@ A :class:`HostSnapshot` holds one state at one step: its skeleton (pickled per
 key) and every tensor's bytes in one flat ``uint8`` buffer, each tensor at an
 aligned offset. The buffer is reused from commit to commit (reallocated only
 when the state grows), pinned when the state has CUDA tensors so the
-device-to-host copy runs asynchronously on a side stream.
+device-to-host copy runs asynchronously on a side stream. Host tensors are
+copied by a :class:`HostCopier` thread while the next step begins (its
+forward and backward pass read the state, they do not change it); the next
+optimizer step waits for the copy, and a copy whose source changed meanwhile
+(tensor version counters) is discarded, never restored.
 
 A :class:`SlotPair` holds two of them: the last complete snapshot and the one
 being written. Invariant: a snapshot's ``step`` is ``None`` from the moment
@@ -16,14 +20,20 @@ snapshot that is never restored, and the other slot intact.
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
+import logging
 import pickle
+import weakref
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from . import layout
+
+log = logging.getLogger(__name__)
 
 #: byte alignment of each tensor in a snapshot's buffer (any dtype can view it)
 ALIGN = 64
@@ -46,7 +56,8 @@ class HostSnapshot:
         self.ranges: dict[str, tuple[int, int]] = {}
         self.nbytes = 0
         self.data = torch.empty(0, dtype=torch.uint8)
-        self._event: Any = None  # CUDA event of an asynchronous copy in flight
+        #: the asynchronous copy in flight: a CUDA event or a :class:`_ThreadCopy`
+        self._event: Any = None
         self._pending_step: int | None = None
 
     # ---------------------------------------------------------------- state
@@ -65,8 +76,9 @@ class HostSnapshot:
             self._finish_async()
 
     def _finish_async(self) -> None:
+        torn = isinstance(self._event, _ThreadCopy) and not self._event.intact()
         self._event = None
-        self.step, self._pending_step = self._pending_step, None
+        self.step, self._pending_step = (None if torn else self._pending_step), None
 
     def invalidate(self) -> None:
         """Marks the snapshot incomplete; first thing before its buffer is overwritten."""
@@ -126,9 +138,16 @@ class HostSnapshot:
 
     # ---------------------------------------------------------------- writing
 
-    def fill(self, step: int, shard: int, state: Mapping[str, Any]) -> None:
-        """Copies ``state`` in: synchronously for host tensors; for CUDA tensors
-        on a side stream (the snapshot completes when the copy lands)."""
+    def fill(
+        self,
+        step: int,
+        shard: int,
+        state: Mapping[str, Any],
+        copier: HostCopier | None = None,
+    ) -> None:
+        """Copies ``state`` in: CUDA tensors on a side stream, host tensors on
+        ``copier``'s thread or, without one, here; the snapshot completes when
+        the copy lands."""
         skeleton, tensors = layout.capture(state)
         self.invalidate()
         self.shard = shard
@@ -142,6 +161,10 @@ class HostSnapshot:
         views = self.views()
         if on_cuda:
             self._copy_async(step, views, tensors)
+            return
+        if copier is not None and copier.can_take(tensors):
+            self._pending_step = step
+            self._event = copier.submit(views, tensors)
             return
         with torch.no_grad():
             for dst, src in zip(views, tensors, strict=True):
@@ -257,6 +280,118 @@ def _side_stream() -> Any:
     return stream
 
 
+class _ThreadCopy:
+    """One snapshot's host copy on the copier's thread; event-like (``query``,
+    ``synchronize``) so :class:`HostSnapshot` treats it as a CUDA copy."""
+
+    def __init__(self, copier: HostCopier, future: concurrent.futures.Future[list[int]]) -> None:
+        self._copier = copier
+        self._future = future
+
+    def query(self) -> bool:
+        return self._future.done()
+
+    def synchronize(self) -> None:
+        self._future.result()
+
+    def intact(self) -> bool:
+        """Whether no source changed while it was copied (waits for the copy)."""
+        changed = self._future.result()
+        if changed:
+            self._copier._torn(len(changed))
+        return not changed
+
+
+class HostCopier:
+    """Copies host snapshots on one thread, overlapping the start of the next step.
+
+    The optimizer step is where a training step changes its state in place:
+    a global optimizer step pre-hook waits for every copy in flight, so the
+    common case never tears. Anything else that changes a source meanwhile
+    is caught by its version counter; that snapshot is discarded (the slot
+    pair's other snapshot stays the newest complete one) and the copier turns
+    synchronous for the rest of the call, with one warning. The thread and
+    the hook end at :meth:`close`, or when the copier is collected.
+    """
+
+    def __init__(self) -> None:
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._finalizer: weakref.finalize | None = None
+        self.synchronous = False
+        self.torn = 0
+
+    def can_take(self, tensors: Sequence[torch.Tensor]) -> bool:
+        # inference tensors have no version counter: nothing would catch a change
+        return not self.synchronous and not any(t.is_inference() for t in tensors)
+
+    def submit(self, views: list[torch.Tensor], tensors: list[torch.Tensor]) -> _ThreadCopy:
+        if self._executor is None:
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="inprocess-snapshot-copy"
+            )
+            # the hook holds the copier weakly: a copier never closed is still collected
+            hook = register_optimizer_step_pre_hook(
+                functools.partial(_drain_before_step, weakref.ref(self))
+            )
+            self._finalizer = weakref.finalize(self, _release, self._executor, hook)
+        # Invariant: versions taken before the copy starts and compared on the
+        # copy's thread as soon as it ends (before anyone waiting on it goes on):
+        # a source modified in between (an in-place op anywhere) has a new version.
+        versions = [t._version for t in tensors]
+        return _ThreadCopy(self, self._executor.submit(_copy, views, tensors, versions))
+
+    def drain(self) -> None:
+        """Waits for every copy in flight (one thread, first in first out: for
+        a no-op queued behind them)."""
+        if self._executor is not None:
+            self._executor.submit(_nothing).result()
+
+    def _torn(self, n: int) -> None:
+        self.torn += 1
+        if not self.synchronous:
+            self.synchronous = True
+            log.warning(
+                "a snapshot's source changed while it was copied (%d tensors modified in place "
+                "outside the optimizer step, before the next commit): that snapshot is discarded "
+                "and later commits copy synchronously",
+                n,
+            )
+
+    def close(self) -> None:
+        """Waits for the copies in flight and ends the thread and the hook."""
+        self.drain()
+        if self._finalizer is not None:
+            self._finalizer()  # removes the hook, ends the thread
+            assert self._executor is not None
+            self._executor.shutdown(wait=True)
+            self._executor = self._finalizer = None
+
+
+def _drain_before_step(ref: weakref.ref[HostCopier], _optimizer: Any, _args: Any, _kw: Any) -> None:
+    copier = ref()
+    if copier is not None:
+        copier.drain()
+
+
+def _release(executor: concurrent.futures.ThreadPoolExecutor, hook: Any) -> None:
+    hook.remove()
+    executor.shutdown(wait=False)  # may run on any thread, the copier's own included
+
+
+def _nothing() -> None:
+    return None
+
+
+def _copy(views: list[torch.Tensor], tensors: list[torch.Tensor], versions: list[int]) -> list[int]:
+    """Copies the sources; returns the indices of those changed meanwhile."""
+    with torch.no_grad():
+        for dst, src in zip(views, tensors, strict=True):
+            dst.copy_(src)
+    return [i for i, (t, v) in enumerate(zip(tensors, versions, strict=True)) if t._version != v]
+
+
 class SlotPair:
     """Two snapshots of one shard: the last complete one is never the one written."""
 
@@ -265,6 +400,8 @@ class SlotPair:
 
     def writable(self) -> HostSnapshot:
         """The slot to write next: an incomplete one, else the older complete one."""
+        for s in self.slots:
+            s.wait()  # a copy in flight decides whether its slot is complete
         a, b = self.slots
         if not a.complete:
             return a

@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from . import layout, persist, policy, transfer
-from .buffers import HostSnapshot, SlotPair
+from .buffers import HostCopier, HostSnapshot, SlotPair
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +33,7 @@ class Snapshots:
         self.snapshot_dir = snapshot_dir
         self.own = SlotPair()
         self.buddy = SlotPair()  # the ring predecessor's shard (replicated=False)
+        self._copier = HostCopier()
         self.replicated = True
         self.newest: int | None = None  # newest step committed (or restored) here
         self._commit_times: collections.deque[float] = collections.deque(maxlen=11)
@@ -196,12 +197,14 @@ class Snapshots:
             self._group, self._group_iteration = transfer.group_if_default(), iteration
             self._rank, self._world = _default_rank_world()
         shard = 0 if self.replicated else self._rank
+        ring = not self.replicated and self._world > 1 and self._group is not None
         self.own.drop_from(step)
         slot = self.own.writable()
-        slot.fill(step, shard, state)
+        # the ring exchange sends the snapshot at once: no copy to overlap with
+        slot.fill(step, shard, state, copier=None if ring else self._copier)
         self.newest = step
         self._commit_times.append(time.monotonic())
-        if not self.replicated and self._world > 1 and self._group is not None:
+        if ring:
             self.buddy.drop_from(step)
             transfer.ring_exchange(
                 slot,
@@ -212,7 +215,9 @@ class Snapshots:
             )
         p = self._persister
         if p is not None and p.due(step) and (not self.replicated or self._rank == 0):
-            p.submit(slot, self._world, self.replicated)
+            slot.wait()
+            if slot.step == step:  # not discarded as torn
+                p.submit(slot, self._world, self.replicated)
 
     # ---------------------------------------------------------------- end of the call
 
@@ -222,6 +227,7 @@ class Snapshots:
 
     def close(self, timeout: float = 120.0) -> None:
         """Releases everything: waits for a disk write in flight, frees the buffers."""
+        self._copier.close()
         if self._persister is not None:
             self._persister.close(timeout)
         self.own.release()
