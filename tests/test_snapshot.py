@@ -211,6 +211,30 @@ def test_a_source_changed_outside_the_optimizer_during_the_copy_discards_it(slow
     snaps.close()
 
 
+def test_an_error_on_the_copy_thread_is_raised_once_and_never_restored(monkeypatch):
+    from inprocess.snapshot import buffers
+
+    real, calls = buffers._copy, []
+
+    def failing(*args):
+        calls.append(1)
+        if len(calls) == 1:
+            raise MemoryError("injected: copy failed")
+        return real(*args)
+
+    monkeypatch.setattr(buffers, "_copy", failing)
+    state = _state()
+    assert type(next(iter(state["model"].state_dict().values()))) is torch.Tensor
+    snaps = Snapshots()
+    snaps.commit(state, 1, 0)
+    with pytest.raises(MemoryError, match="copy failed"):
+        snaps.commit(state, 2, 0)  # the next commit meets it
+    snaps.commit(state, 2, 0)
+    snaps.holdings()
+    assert [s.step for s in snaps.own.held()] == [2]
+    snaps.close()
+
+
 def test_buffers_are_reused_and_restores_do_not_alias_them():
     state = _state()
     snaps = Snapshots()

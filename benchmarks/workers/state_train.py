@@ -11,9 +11,11 @@ all-reduce of the flattened gradient and an Adam step. ``--mode``:
   and step every ``--save-every`` steps (atomically), every rank reloads the
   file at every (re)start.
 
-``--timing-blocks N``: first N rounds of three ``--block``-step blocks, one per
+``--timing-blocks N``: first N rounds of four ``--block``-step blocks, one per
 way of keeping state (``none``: nothing, ``commit``: commit every step,
-``file``: ``torch.save`` every ``--save-every`` of the file blocks' steps), no
+``inline``: commit every step with the host copy made inside ``commit``
+rather than on its thread, ``file``: ``torch.save`` every ``--save-every`` of
+the file blocks' steps), no
 faults; rank 0 times every step. Then the fault phase: ``--faults`` is a list
 of ``kind:rank:offset`` (``raise`` or ``kill``, initial rank, steps after the
 timing phase), each injected once, in the middle of its step (after the
@@ -56,7 +58,8 @@ args = p.parse_args()
 RANK = int(os.environ["RANK"])
 args.out.mkdir(parents=True, exist_ok=True)
 CHECKPOINT = args.out / "checkpoint.pt"
-TIMING = 3 * args.block * args.timing_blocks
+WAYS = ("none", "commit", "inline", "file")
+TIMING = len(WAYS) * args.block * args.timing_blocks
 FAULTS = {}
 for i, spec in enumerate(filter(None, args.faults.split(","))):
     kind, rank, offset = spec.split(":")
@@ -66,8 +69,8 @@ torch.set_num_threads(1)
 
 # rank 0's account, kept across in-process restarts (rank 0 is never killed)
 LOG: dict = {
-    "times": {"none": [], "commit": [], "file": []},
-    "commit_seconds": [],  # call_wrapper.commit alone, timing phase
+    "times": {w: [] for w in WAYS},
+    "commit_seconds": {"commit": [], "inline": []},  # call_wrapper.commit alone, timing phase
     "parts": {},  # what a commit does, each part timed alone (rank 0, first start)
     "starts": [],
     "regained": {},
@@ -79,7 +82,7 @@ def way(step: int) -> str:
     """How the state is kept after ``step`` (0-based) completes."""
     if step >= TIMING:
         return "commit" if args.mode == "snapshot" else "file"
-    return ("none", "commit", "file")[(step // args.block) % 3]
+    return WAYS[(step // args.block) % len(WAYS)]
 
 
 def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -226,18 +229,20 @@ def train(call_wrapper: inprocess.CallWrapper | None = None) -> None:
         opt.step()
         kept = way(step)
         step += 1
-        if kept == "commit":
+        if kept in ("commit", "inline"):
+            # the copier's own switch (a benchmark's reach into the call's snapshots)
+            call_wrapper._snapshots._copier.synchronous = kept == "inline"
             c0 = time.perf_counter()
             call_wrapper.commit(state, step)
             if RANK == 0 and step <= TIMING:
-                LOG["commit_seconds"].append(time.perf_counter() - c0)
+                LOG["commit_seconds"][kept].append(time.perf_counter() - c0)
         elif kept == "file" and rank == 0:
             # the guide's pattern; in the timing phase counted in file blocks' steps only
             s0 = step - 1
             count = (
                 step
                 if step > TIMING
-                else (s0 // (3 * args.block)) * args.block + s0 % args.block + 1
+                else (s0 // (len(WAYS) * args.block)) * args.block + s0 % args.block + 1
             )
             if count % args.save_every == 0:
                 save(model, opt, step)

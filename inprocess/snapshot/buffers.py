@@ -76,9 +76,14 @@ class HostSnapshot:
             self._finish_async()
 
     def _finish_async(self) -> None:
-        torn = isinstance(self._event, _ThreadCopy) and not self._event.intact()
-        self._event = None
-        self.step, self._pending_step = (None if torn else self._pending_step), None
+        # Invariant: the copy is forgotten before its outcome is read, so an
+        # error of the copy's thread is raised once (at the next commit or
+        # restore) and leaves the snapshot incomplete.
+        event, self._event = self._event, None
+        step, self._pending_step = self._pending_step, None
+        if isinstance(event, _ThreadCopy) and not event.intact():
+            return
+        self.step = step
 
     def invalidate(self) -> None:
         """Marks the snapshot incomplete; first thing before its buffer is overwritten."""
@@ -163,8 +168,17 @@ class HostSnapshot:
             self._copy_async(step, views, tensors)
             return
         if copier is not None and copier.can_take(tensors):
+            # subclasses (a __torch_function__ may run Python, a DTensor a
+            # collective) are copied here, in the training thread; plain
+            # tensors on the copier's thread
+            inline = [i for i, t in enumerate(tensors) if type(t) is not torch.Tensor]
+            with torch.no_grad():
+                for i in inline:
+                    views[i].copy_(tensors[i])
+            skip = set(inline)
+            plain = [i for i in range(len(tensors)) if i not in skip]
             self._pending_step = step
-            self._event = copier.submit(views, tensors)
+            self._event = copier.submit([views[i] for i in plain], [tensors[i] for i in plain])
             return
         with torch.no_grad():
             for dst, src in zip(views, tensors, strict=True):
@@ -292,10 +306,11 @@ class _ThreadCopy:
         return self._future.done()
 
     def synchronize(self) -> None:
-        self._future.result()
+        concurrent.futures.wait([self._future])
 
     def intact(self) -> bool:
-        """Whether no source changed while it was copied (waits for the copy)."""
+        """Whether no source changed while it was copied (waits for the copy;
+        raises the copy's own error)."""
         changed = self._future.result()
         if changed:
             self._copier._torn(len(changed))
