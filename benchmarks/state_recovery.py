@@ -182,6 +182,14 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="small model, 2 faults: a smoke test")
     parser.add_argument("--keep", help="keep the run folders under this path")
     parser.add_argument("--deadline", type=float, default=400.0, help="seconds per job")
+    parser.add_argument(
+        "--overhead-only",
+        action="store_true",
+        help="only the snapshot job's timing phase (step time per way of keeping state)",
+    )
+    parser.add_argument(
+        "--step-time", type=float, default=0.05, help="seconds of sleep per step (the accelerator)"
+    )
     args = parser.parse_args()
     if args.quick:
         common = ["--hidden", "256", "--steps", "100", "--save-every", "50"]
@@ -189,11 +197,15 @@ def main() -> int:
     else:
         common = ["--steps", "360"]
         timing, faults = ["--timing-blocks", "5", "--block", "20"], FULL_FAULTS
+    common += ["--step-time", str(args.step_time)]
+    modes = [("snapshot", timing), ("file", [])]
+    if args.overhead_only:
+        common, faults, modes = [*common, "--steps", "0"], "", modes[:1]
     load_before = os.getloadavg()
     jobs = []
     with tempfile.TemporaryDirectory(prefix="state-recovery-") as tmp:
         base = Path(args.keep) if args.keep else Path(tmp)
-        for mode, extra in (("snapshot", timing), ("file", [])):
+        for mode, extra in modes:
             job = run_job(mode, base / mode, [*common, *extra, "--faults", faults], args.deadline)
             jobs.append(job)
             print(
@@ -203,7 +215,7 @@ def main() -> int:
             )
     load_after = os.getloadavg()
 
-    snap, file = jobs
+    snap = jobs[0]
     times = snap["rank0"].get("times", {})
     print("\n## Step time, side by side in the snapshot job (rank 0, timing phase, no faults)\n")
     for name in ("none", "commit", "inline", "file"):
@@ -234,6 +246,11 @@ def main() -> int:
             f"{parts['state_dicts'] * 1000:.1f} ms, copying their tensors "
             f"({parts['bytes'] / 1e6:.1f} MB) {parts['tensor_copy'] * 1000:.1f} ms"
         )
+
+    if args.overhead_only:
+        print(f"\nload average before {load_before}, after {load_after}")
+        return 0 if snap["returncode"] == 0 else 1
+    file = jobs[1]
 
     print("\n## Per fault\n")
     print(

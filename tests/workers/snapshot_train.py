@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch._dynamo
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -42,6 +43,8 @@ import snapshot_model as sm
 
 import inprocess
 
+# (torch._dynamo above: the first optimizer would import it lazily, inside the
+# function, tens of seconds on a loaded machine: a soft timeout the test did not inject)
 SPEC: dict[str, Any] = json.loads(os.environ["INPROCESS_TEST_SPEC"])
 INITIAL_RANK = int(os.environ["RANK"])
 INCARNATION = int(os.environ.get("INPROCESS_WORKER_INCARNATION", "0"))
