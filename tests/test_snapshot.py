@@ -235,6 +235,54 @@ def test_an_error_on_the_copy_thread_is_raised_once_and_never_restored(monkeypat
     snaps.close()
 
 
+def test_a_copy_handed_off_by_an_interrupted_commit_lands_before_its_slot_is_rewritten(
+    monkeypatch,
+):
+    """An exception (a restart) between the hand-off and the slot keeping the
+    copy's handle: the orphan copy never writes into the slot's next snapshot."""
+    from inprocess.snapshot import buffers
+    from inprocess.snapshot.buffers import HostCopier
+
+    state = _state()
+    model, opt = state["model"], state["optim"]
+    snaps = Snapshots()
+    snaps.commit(state, 1, 0)
+    snaps.holdings()
+    sm.apply(model, opt, sm.local_grads(model, 1, 0, 1))
+    real_copy, real_submit = buffers._copy, HostCopier.submit
+    landed = threading.Event()
+
+    def late(*args):  # the orphan: held back 1 s, longer than the next commit takes
+        threading.Event().wait(1.0)
+        try:
+            return real_copy(*args)
+        finally:
+            landed.set()
+
+    def interrupted(self, views, tensors):
+        real_submit(self, views, tensors)
+        raise RuntimeError("restart lands right after the hand-off")
+
+    monkeypatch.setattr(buffers, "_copy", late)
+    monkeypatch.setattr(HostCopier, "submit", interrupted)
+    with pytest.raises(RuntimeError, match="right after the hand-off"):
+        snaps.commit(state, 2, 0)
+    monkeypatch.setattr(HostCopier, "submit", real_submit)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # the state of "step 3", committed in line into the same slot
+    snaps._copier.synchronous = True
+    snaps.commit(state, 3, 0)
+    expected = sm.fingerprint(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()  # what the orphan would copy, were it still to land
+    assert landed.wait(10)
+    assert snaps.restore(state, True, 1) == 3
+    assert sm.fingerprint(model) == expected
+    snaps.close()
+
+
 def test_buffers_are_reused_and_restores_do_not_alias_them():
     state = _state()
     snaps = Snapshots()

@@ -59,6 +59,7 @@ class HostSnapshot:
         #: the asynchronous copy in flight: a CUDA event or a :class:`_ThreadCopy`
         self._event: Any = None
         self._pending_step: int | None = None
+        self._copier: HostCopier | None = None  # set before any copy is handed to it
 
     # ---------------------------------------------------------------- state
 
@@ -93,6 +94,10 @@ class HostSnapshot:
             # an in-flight copy still writes into the buffer: let it land first
             self._event.synchronize()
             self._event = None
+        elif self._copier is not None:
+            # a copy handed to the thread by a fill that an exception interrupted
+            # before it kept the copy's handle: the thread's queue is in order
+            self._copier.drain()
 
     def release(self) -> None:
         self.invalidate()
@@ -177,6 +182,7 @@ class HostSnapshot:
                     views[i].copy_(tensors[i])
             skip = set(inline)
             plain = [i for i in range(len(tensors)) if i not in skip]
+            self._copier = copier  # first: see invalidate()
             self._pending_step = step
             self._event = copier.submit([views[i] for i in plain], [tensors[i] for i in plain])
             return
