@@ -278,7 +278,7 @@ SLOW_PACKAGE = """
 import time
 from . import first
 time.sleep(0.05)  # blocked in the kernel: the re-sent signal must not break the import
-end = time.monotonic() + 0.6
+end = time.monotonic() + 3.0  # long enough for the abort on a loaded machine
 while time.monotonic() < end:
     pass  # running bytecode: where an asynchronous exception lands
 from . import second
