@@ -24,6 +24,7 @@ import concurrent.futures
 import functools
 import logging
 import pickle
+import threading
 import weakref
 import zlib
 from collections.abc import Mapping, Sequence
@@ -338,8 +339,11 @@ class HostCopier:
     def __init__(self) -> None:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._finalizer: weakref.finalize | None = None
+        #: copies queued or running, changed under the lock, read without it (an
+        #: int): an optimizer step with nothing in flight pays no round trip
+        self._in_flight = 0
+        self._lock = threading.Lock()
         self.synchronous = False
-        self.torn = 0
 
     def can_take(self, tensors: Sequence[torch.Tensor]) -> bool:
         # inference tensors have no version counter: nothing would catch a change
@@ -361,16 +365,23 @@ class HostCopier:
         # copy's thread as soon as it ends (before anyone waiting on it goes on):
         # a source modified in between (an in-place op anywhere) has a new version.
         versions = [t._version for t in tensors]
-        return _ThreadCopy(self, self._executor.submit(_copy, views, tensors, versions))
+        with self._lock:
+            self._in_flight += 1
+        future = self._executor.submit(_copy, views, tensors, versions)
+        future.add_done_callback(self._landed)
+        return _ThreadCopy(self, future)
+
+    def _landed(self, _future: concurrent.futures.Future[list[int]]) -> None:
+        with self._lock:
+            self._in_flight -= 1
 
     def drain(self) -> None:
         """Waits for every copy in flight (one thread, first in first out: for
         a no-op queued behind them)."""
-        if self._executor is not None:
+        if self._executor is not None and self._in_flight:
             self._executor.submit(_nothing).result()
 
     def _torn(self, n: int) -> None:
-        self.torn += 1
         if not self.synchronous:
             self.synchronous = True
             log.warning(
