@@ -37,12 +37,19 @@ def pytest_configure(config: pytest.Config) -> None:
 def _warm_up_one_time_resources():
     """Process-wide resources created once (libuv's signal pipes of the TCPStore
     server) must not be blamed on the first test that happens to create them."""
+    import launcher
     import torch.distributed as dist
-    from launcher import free_port
 
-    server = dist.TCPStore("127.0.0.1", free_port(), None, True, use_libuv=True)
+    server = dist.TCPStore("127.0.0.1", launcher.free_port(), None, True, use_libuv=True)
     del server
-    yield
+    # the suite's ranks are forked from one preloaded process (started before any
+    # test, so no test counts it as its own child); INPROCESS_TEST_FORK=0: spawned
+    if os.environ.get("INPROCESS_TEST_FORK", "1") == "0":
+        yield
+        return
+    with launcher.start_template():
+        yield
+    launcher.TEMPLATE = None
 
 
 #: every live store object of ours (a Wrapper store, anything with its protocol),

@@ -8,6 +8,7 @@ from typing import Any
 
 from inprocess._net import free_port
 from inprocess.tools import local_job
+from inprocess.tools.fork_template import ForkTemplate
 from inprocess.tools.local_job import MARKER, JobResult, RankResult, job_processes
 
 REPO = Path(__file__).resolve().parent.parent
@@ -26,11 +27,25 @@ __all__ = [
 ]
 
 
+#: this test process's fork template (started for the session by conftest.py):
+#: the suite's ranks are forked from it, not each paying ``import torch``
+TEMPLATE: ForkTemplate | None = None
+
+
+def start_template() -> ForkTemplate:
+    """The fork template for the suite's jobs (their start-up environment)."""
+    global TEMPLATE
+    TEMPLATE = ForkTemplate(local_job.base_env(REPO))
+    return TEMPLATE
+
+
 class Job(local_job.Job):
-    """A job of ``script``: a name in ``tests/workers`` or a path."""
+    """A job of ``script``: a name in ``tests/workers`` or a path; its ranks are
+    forked from the session's :data:`TEMPLATE` where there is one."""
 
     def __init__(self, script: str | Path, *args: Any, **kwargs: Any) -> None:
         path = Path(script) if Path(script).is_absolute() else WORKERS / script
+        kwargs.setdefault("template", TEMPLATE)
         super().__init__(path, *args, pythonpath=REPO, **kwargs)
 
 

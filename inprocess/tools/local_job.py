@@ -6,7 +6,10 @@ with the ``torch.distributed`` environment (``RANK``, ``WORLD_SIZE``,
 own and marked (``INPROCESS_TEST_JOB``) so that every process the ranks start
 (their monitor processes, forked or not) is found and ended with them. Used
 by the test suite and the benchmarks; a script gets its settings as JSON in
-``INPROCESS_TEST_SPEC``.
+``INPROCESS_TEST_SPEC``. With a :class:`~inprocess.tools.fork_template.ForkTemplate`
+(``template=``) the ranks are forked from it instead of spawned, so a job does
+not pay ``import torch`` per rank; ranks whose start-up environment differs
+from the template's are spawned as usual.
 """
 
 from __future__ import annotations
@@ -27,9 +30,25 @@ import psutil
 
 from .._net import free_port
 from ..failover.supervisor import processes_with_env
+from .fork_template import ForkedProcess, ForkTemplate
 
 #: environment variable that marks every process of a job
 MARKER = "INPROCESS_TEST_JOB"
+
+
+def base_env(pythonpath: str | Path | None = None) -> dict[str, str]:
+    """What every rank of a job sees beyond its own variables (and a fork template's
+    environment for such ranks): this process's environment, quiet numpy warnings,
+    a short DNS timeout and ``pythonpath`` first on ``PYTHONPATH``."""
+    env = dict(os.environ)
+    env.update(
+        PYTHONWARNINGS="ignore:Failed to initialize NumPy",
+        # torch's store server resolves client names; never wait long on DNS.
+        RES_OPTIONS="timeout:1 attempts:1",
+    )
+    if pythonpath is not None:
+        env["PYTHONPATH"] = f"{pythonpath}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    return env
 
 
 def job_processes(marker: str) -> list[psutil.Process]:
@@ -82,8 +101,10 @@ class Job:
         env: dict[str, str] | None = None,
         args: list[str] | None = None,
         pythonpath: str | Path | None = None,
+        template: ForkTemplate | None = None,
     ) -> None:
         self.script = Path(script)
+        self.template = template
         self.pythonpath = pythonpath
         self.nprocs = nprocs
         self.workdir = workdir
@@ -93,11 +114,11 @@ class Job:
         self.spec.setdefault("report_dir", str(workdir))
         self.extra_env = env or {}
         self.args = args or []
-        self.procs: list[subprocess.Popen[bytes]] = []
+        self.procs: list[subprocess.Popen[bytes] | ForkedProcess] = []
         self.logs: list[Path] = []
 
     def env(self, rank: int) -> dict[str, str]:
-        env = dict(os.environ)
+        env = base_env(self.pythonpath)
         env.update(
             RANK=str(rank),
             LOCAL_RANK=str(rank),
@@ -105,13 +126,8 @@ class Job:
             LOCAL_WORLD_SIZE=str(self.nprocs),
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(self.port),
-            PYTHONWARNINGS="ignore:Failed to initialize NumPy",
-            # torch's store server resolves client names; never wait long on DNS.
-            RES_OPTIONS="timeout:1 attempts:1",
             INPROCESS_TEST_SPEC=json.dumps(self.spec),
         )
-        if self.pythonpath is not None:
-            env["PYTHONPATH"] = f"{self.pythonpath}{os.pathsep}{env.get('PYTHONPATH', '')}"
         env[MARKER] = self.marker
         env.update(self.extra_env)
         return env
@@ -121,16 +137,21 @@ class Job:
         for rank in range(self.nprocs):
             log = self.workdir / f"rank{rank}.log"
             self.logs.append(log)
+            env = self.env(rank)
             with open(log, "wb") as out:
-                self.procs.append(
-                    subprocess.Popen(
+                if self.template is not None and self.template.can_fork(env):
+                    proc: subprocess.Popen[bytes] | ForkedProcess = self.template.fork(
+                        self.script, self.args, env, os.getcwd(), out.fileno()
+                    )
+                else:
+                    proc = subprocess.Popen(
                         [sys.executable, str(self.script), *self.args],
-                        env=self.env(rank),
+                        env=env,
                         stdout=out,
                         stderr=subprocess.STDOUT,
                         start_new_session=True,
                     )
-                )
+                self.procs.append(proc)
         self.started = time.monotonic()
         return self
 
@@ -198,7 +219,8 @@ def run_job(
     timeout: float = 120,
     env: dict[str, str] | None = None,
     pythonpath: str | Path | None = None,
+    template: ForkTemplate | None = None,
 ) -> JobResult:
     """Runs a :class:`Job` to its end (or ``timeout`` seconds) and returns its result."""
-    with Job(script, nprocs, workdir, spec, env, pythonpath=pythonpath) as job:
+    with Job(script, nprocs, workdir, spec, env, pythonpath=pythonpath, template=template) as job:
         return job.wait(timeout)
