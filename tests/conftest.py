@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import datetime
 import functools
 import gc
+import inspect
 import logging
 import os
 import threading
@@ -29,8 +31,54 @@ def pytest_configure(config: pytest.Config) -> None:
     """Imports once, outside every test's timeout, what torch imports lazily on
     first use: the first optimizer built imports ``torch._dynamo`` (sympy and
     all), which took over 60 s on a loaded 2-core machine and failed whichever
-    test happened to build the first optimizer."""
+    test happened to build the first optimizer. Not in the controller of a
+    distributed run (``-n``): it runs no test."""
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        return
     import torch._dynamo  # noqa: F401
+
+    _patient_unwind_in_this_process()
+
+    # The suite's ranks are forked from one preloaded process, started here: outside
+    # every test's timeout, and before any test, so no test counts it as its own
+    # child. INPROCESS_TEST_FORK=0: every rank is spawned.
+    if os.environ.get("INPROCESS_TEST_FORK", "1") != "0":
+        import launcher
+
+        launcher.start_template()
+
+
+#: the bounded unwind's deadline for Wrappers run by the tests themselves
+TEST_PROCESS_UNWIND = datetime.timedelta(seconds=120)
+
+
+def _patient_unwind_in_this_process() -> None:
+    """A Wrapper run in this process (the in-process tests) gets a long unwind
+    deadline unless the test sets one: its monitor process SIGKILLs a rank whose
+    main thread is not back in the Wrapper by then (2 s by default), and here the
+    rank is the pytest worker, which a loaded machine can stall that long: the
+    whole run would lose the worker. The unwind itself is tested with ranks that
+    are processes of their own (tests/test_bounded_unwind.py)."""
+    from inprocess.wrap import Wrapper
+
+    init = Wrapper.__init__
+    signature = inspect.signature(init)
+
+    @functools.wraps(init)
+    def patient_init(self, *args, **kwargs):
+        if "unwind_timeout" not in signature.bind_partial(self, *args, **kwargs).arguments:
+            kwargs["unwind_timeout"] = TEST_PROCESS_UNWIND
+        init(self, *args, **kwargs)
+
+    Wrapper.__init__ = patient_init  # type: ignore[method-assign]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    import launcher
+
+    if launcher.TEMPLATE is not None:
+        launcher.TEMPLATE.close()
+        launcher.TEMPLATE = None
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -42,14 +90,7 @@ def _warm_up_one_time_resources():
 
     server = dist.TCPStore("127.0.0.1", launcher.free_port(), None, True, use_libuv=True)
     del server
-    # the suite's ranks are forked from one preloaded process (started before any
-    # test, so no test counts it as its own child); INPROCESS_TEST_FORK=0: spawned
-    if os.environ.get("INPROCESS_TEST_FORK", "1") == "0":
-        yield
-        return
-    with launcher.start_template():
-        yield
-    launcher.TEMPLATE = None
+    yield
 
 
 #: every live store object of ours (a Wrapper store, anything with its protocol),
