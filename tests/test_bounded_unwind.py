@@ -104,7 +104,7 @@ def test_sigkilled_monitor_process_is_replaced(tmp_path):
     # Rank 2 makes no progress until its replacement is up: a fresh interpreter
     # (the rank has threads, so it is not forked), 15 s on a loaded slow machine.
     # No soft or hard timeout may strike meanwhile: that would be a restart.
-    patient = {"soft_timeout": 90.0, "hard_timeout": 150.0}
+    patient = {"soft_timeout": 40.0, "hard_timeout": 55.0}  # under barrier_timeout (60)
     wrapper = {**TIMED, **patient, "monitor_process_pidfile": str(pidfile)}
     spec = {"wrapper": wrapper, "steps": 300, "step_sleep": 0.03}
     with Job("scenario.py", WORLD, tmp_path, spec) as job:
