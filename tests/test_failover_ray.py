@@ -122,7 +122,12 @@ def _standby_pids(job_id: str) -> set[int]:
     found = set()
     for p in job_processes(job_id):
         with contextlib.suppress(psutil.Error):
-            if "inprocess.failover.standby" in p.cmdline() and "RANK" not in p.environ():
+            cmdline = p.cmdline()
+            if (
+                "inprocess.failover.standby" in cmdline
+                and "--zygote" not in cmdline
+                and "RANK" not in p.environ()
+            ):
                 found.add(p.pid)
     return found
 

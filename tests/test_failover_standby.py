@@ -9,6 +9,7 @@ import dataclasses
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -19,7 +20,7 @@ from test_failover_e2e import Launch
 
 from inprocess.failover.backends import WorkerLaunch
 from inprocess.failover.backends.local import LocalBackend
-from inprocess.failover.standby import common_env
+from inprocess.failover.standby import MAX_EARLY_DEATHS, common_env
 from inprocess.failover.supervisor import job_processes
 
 #: a worker that writes what it sees (environment, argv, path, ids) and prints a line
@@ -79,7 +80,8 @@ def _wait_exit(backend: LocalBackend, pid: int) -> tuple[int | None, int | None]
 
 
 def _ready_standby(backend: LocalBackend, slot: int) -> int:
-    deadline = time.monotonic() + 60
+    # the first standby waits for its zygote's ``import torch``: minutes on a slow machine
+    deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
         backend.wait(0.05)
         pool = backend.standbys._standbys.get(slot, [])
@@ -89,7 +91,7 @@ def _ready_standby(backend: LocalBackend, slot: int) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(360)
 def test_standby_worker_sees_what_a_fresh_worker_sees(tmp_path):
     """Same environment (exactly), argv, sys.path[0], cwd, own session, stdio
     routing and exit status; the pid is the standby's and it is watched like a
@@ -142,26 +144,87 @@ def test_standby_worker_sees_what_a_fresh_worker_sees(tmp_path):
     )
     assert b["own_group"] and a["stdin"] == "/dev/null"
     assert (tmp_path / "warm.log").read_text() == "probe of rank 3 says hello\n"
-    assert not psutil.Process().children()
+
+
+def _zygotes(backend: LocalBackend) -> list[int]:
+    return [z.process.pid for z in backend.standbys._zygotes.values()]
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(120)
-def test_dead_standby_is_replaced_and_closed_pool_leaves_nothing(tmp_path):
-    backend = LocalBackend(tmp_path)
+@pytest.mark.timeout(420)
+def test_zygote_forks_standbys_and_its_death_costs_no_worker(tmp_path):
+    """Standbys are forked from one zygote per environment (slots share it); a
+    dead standby is replaced by a fork; a killed zygote takes its standbys with
+    it but not the workers made from them (their end is still seen, as an
+    orphan's), and is replaced; a closed pool leaves nothing."""
+    (tmp_path / "probe.py").write_text(PROBE)
+    backend = LocalBackend(tmp_path / "state")
     try:
-        backend.keep_standbys(0, 1, dict(os.environ))
-        first = backend.standbys.standbys(0)
-        assert len(first) == 1
-        os.kill(first[0], signal.SIGKILL)
-        deadline = time.monotonic() + 30
-        while backend.standbys.standbys(0) == first and time.monotonic() < deadline:
-            backend.wait(0.05)
-        second = backend.standbys.standbys(0)
-        assert len(second) == 1 and second != first and psutil.pid_exists(second[0])
+        backend.keep_standbys(0, 1, dict(os.environ, INPROCESS_NODE_SLOT="0"))
+        backend.keep_standbys(1, 1, dict(os.environ, INPROCESS_NODE_SLOT="1"))
+        first = _ready_standby(backend, 0)
+        _ready_standby(backend, 1)
+        [zygote] = _zygotes(backend)
+        for slot in (0, 1):
+            [standby] = backend.standbys.standbys(slot)
+            proc = psutil.Process(standby)
+            assert proc.ppid() == zygote and os.getsid(standby) == standby
+            assert proc.environ()["INPROCESS_NODE_SLOT"] == str(slot)
+            cmdline = proc.cmdline()  # a spawned standby's, as tools would look for it
+            assert cmdline[1:3] == ["-m", "inprocess.failover.standby"] and len(cmdline) == 5
+            assert int(cmdline[4]) == zygote
+        os.kill(first, signal.SIGKILL)
+        second = _wait(
+            lambda: (
+                (backend.wait(0.05), backend.standbys.standbys(0))[1] not in ([], [first])
+                and backend.standbys.standbys(0)[0]
+            ),
+            60,
+            "a forked replacement",
+        )
+        assert psutil.Process(second).ppid() == zygote
+
+        pid, start_time = backend.start(_launch(tmp_path, "w.json", 4))
+        assert pid == second
+        _wait(lambda: (tmp_path / "w.json").exists(), 60, "the probe")
+        os.kill(zygote, signal.SIGKILL)
+        # its standbys die with it; the worker does not, and a new zygote comes
+        _wait(lambda: (backend.wait(0.05), _zygotes(backend))[1] not in ([], [zygote]), 60, "z")
+        assert backend.running(pid, start_time)
+        (tmp_path / "w.json.go").touch()
+        # an orphan of this test's process: no subreaper recorded its status
+        assert _wait_exit(backend, pid) == (None, None)
+        _ready_standby(backend, 0)
     finally:
         backend.close()
-    assert not psutil.Process().children()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_standbys_are_spawned_when_zygotes_keep_dying(tmp_path):
+    """A zygote that dies before it is ready is replaced; after
+    ``MAX_EARLY_DEATHS`` in a row its environment's standbys are spawned."""
+    backend = LocalBackend(tmp_path)
+    real_spawn = backend.standbys._spawn
+    zygote_starts = []
+
+    def spawn(argv, env, pass_fds):
+        if "--zygote" in argv:  # a zygote that cannot start
+            zygote_starts.append(argv)
+            return subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+        return real_spawn(argv, env, pass_fds)
+
+    backend.standbys._spawn = spawn
+    try:
+        backend.keep_standbys(0, 1, dict(os.environ))
+        standbys = _wait(
+            lambda: (backend.wait(0.05), backend.standbys.standbys(0))[1], 60, "a standby"
+        )
+        assert len(zygote_starts) == MAX_EARLY_DEATHS
+        assert "--zygote" not in psutil.Process(standbys[0]).cmdline()
+        assert not backend.standbys._zygotes
+    finally:
+        backend.close()
 
 
 # ---------------------------------------------------------------- inprocess-run end to end
@@ -171,7 +234,12 @@ def _standbys(job_id: str) -> list[psutil.Process]:
     found = []
     for p in job_processes(job_id):
         with contextlib.suppress(psutil.Error):
-            if "inprocess.failover.standby" in p.cmdline() and "RANK" not in p.environ():
+            cmdline = p.cmdline()
+            if (
+                "inprocess.failover.standby" in cmdline
+                and "--zygote" not in cmdline
+                and "RANK" not in p.environ()
+            ):
                 found.append(p)
     return found
 

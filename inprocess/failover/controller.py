@@ -588,6 +588,9 @@ class Controller:
         """A new store server (a fresh key space) and every worker (a cold start)."""
         self._stop_server()
         self._no_member_since = None
+        # The standbys' zygotes first: the store server and the workers below are
+        # forked from them (each would import torch otherwise).
+        self._keep_standbys()
         self.server = self._new_server()
         state = self.state.copy()
         state.store = {
@@ -621,25 +624,35 @@ class Controller:
         if start is not None:
             server: StoreServer = start(self.spec.master_addr)
             return server
-        return start_store_server(self.spec.master_addr, port=self.spec.master_port)
+        return start_store_server(
+            self.spec.master_addr,
+            port=self.spec.master_port,
+            spawn=getattr(self.backend, "spawn_module", None),
+        )
 
-    def _prepare_ahead(self) -> None:
+    def _keep_standbys(self) -> None:
         """With ``--standby N`` (N > 0): N warm standbys on every node slot (spares
-        included, for a relaunched node), and the next generation's store server."""
+        included, for a relaunched node)."""
         count = self.spec.standby
-        if count <= 0 or self.server is None:
-            return
         keep = getattr(self.backend, "keep_standbys", None)
-        if keep is not None:
+        if count > 0 and keep is not None:
             for slot in range(self.spec.num_slots):
                 keep(slot, count, common_env(self.worker_env(0, 0, slot)))
+
+    def _prepare_ahead(self) -> None:
+        """With ``--standby N`` (N > 0): the standbys, and the next generation's
+        store server."""
+        if self.spec.standby <= 0 or self.server is None:
+            return
+        self._keep_standbys()
         # a fixed --master-port is the running server's until it stops: no spare
         if (
             self._spare_server is None
             and not self.spec.master_port
             and not hasattr(self.backend, "start_store_server")
         ):
-            self._spare_server = SpareStoreServer(self.spec.master_addr)
+            spawn = getattr(self.backend, "spawn_module", None)
+            self._spare_server = SpareStoreServer(self.spec.master_addr, spawn=spawn)
 
     def start_worker(self, worker: int, batched: bool = False) -> None:
         record = self.state.workers[worker]
@@ -664,8 +677,9 @@ class Controller:
         )
 
     def worker_env(self, worker: int, incarnation: int, slot: int) -> dict[str, str]:
+        """A worker's environment. Before the store server is up (a standby's
+        environment: :func:`common_env` drops them) the store's variables are empty."""
         spec, server = self.spec, self.server
-        assert server is not None
         env = dict(os.environ)
         env.update(
             RANK=str(worker),
@@ -677,8 +691,8 @@ class Controller:
             ROLE_NAME="default",
             ROLE_RANK=str(worker),
             ROLE_WORLD_SIZE=str(spec.world_size),
-            MASTER_ADDR=server.host,
-            MASTER_PORT=str(server.port),
+            MASTER_ADDR=server.host if server is not None else "",
+            MASTER_PORT=str(server.port) if server is not None else "",
             TORCHELASTIC_USE_AGENT_STORE="True",
             TORCHELASTIC_RUN_ID=spec.job_id,
             TORCHELASTIC_RESTART_COUNT=str(self.state.generation),

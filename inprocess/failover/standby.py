@@ -16,11 +16,16 @@ When a worker of that slot is to be started, a standby takes its place:
   as ``python SCRIPT`` / ``python -m MODULE`` would, and runs the script with
   :mod:`runpy` as ``__main__``. Its exit status is the script's.
 
+Standbys are forked from a per-node :class:`~inprocess.failover.zygote.Zygote`
+that did these imports once (a standby then costs milliseconds, not an import);
+one wanted while none is left is forked on the spot, and where zygotes keep
+dying before they are ready, standbys are spawned with the same imports.
+
 It is the worker from then on: same pid (the backend watches it by pidfd like a
-spawned worker, it is the backend's child, so the supervisor records its exit
-after a controller crash like any orphan's), its own session and process group
-(it was spawned with ``start_new_session``), the job's run token in its
-environment (cleanup finds it). Standbys are not workers: they hold no rank,
+spawned worker; its zygote, or the backend for a spawned one, reaps it and
+reports its status; after a controller crash it is an orphan whose exit the
+supervisor records), its own session and process group, the job's run token in
+its environment (cleanup finds it). Standbys are not workers: they hold no rank,
 are not in the job's state, never count as restarts. The backend replaces a
 used or dead standby in the background (the next ``wait``); one that keeps
 dying before it is ready stops the pool of its slot (logged), so a broken
@@ -88,6 +93,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from .zygote import ZYGOTE_FLAG, Zygote, ZygoteChild, zygote_env
+
 log = logging.getLogger(__name__)
 
 #: variables of a worker's environment that differ between the workers of a slot
@@ -134,7 +141,7 @@ def can_run(argv: tuple[str, ...] | list[str]) -> bool:
 class Standby:
     """One standby process of a slot, as its backend sees it."""
 
-    process: subprocess.Popen[bytes]
+    process: subprocess.Popen[bytes] | ZygoteChild
     sock: socket.socket  # the backend's end (not inheritable)
     slot: int
     env: dict[str, str]
@@ -166,18 +173,23 @@ class StandbyPool:
     """The standbys of a backend, per node slot.
 
     Used from one thread (the backend's caller). Invariants: every standby in
-    :attr:`_standbys` is a child of this process that nobody else holds; a
-    standby leaves the pool exactly once, by :meth:`take` (it becomes a worker,
-    the backend watches it) or by :meth:`discard`-ing it (dead, unwanted, or
-    the pool is closed).
+    :attr:`_standbys` is a child of this process or of one of its zygotes that
+    nobody else holds; a standby leaves the pool exactly once, by :meth:`take`
+    (it becomes a worker, the backend watches it) or by :meth:`discard`-ing it
+    (dead, unwanted, or the pool is closed); a zygote ends when no slot wants
+    standbys of its environment.
     """
 
-    def __init__(self, spawn: Spawn, die_with_parent: bool) -> None:
+    def __init__(self, spawn: Spawn, die_with_parent: bool, fork: bool = True) -> None:
         self._spawn = spawn
         self.die_with_parent = die_with_parent
         self._wanted: dict[int, tuple[int, dict[str, str]]] = {}  # slot -> (count, env)
         self._standbys: dict[int, list[Standby]] = {}
         self._early_deaths: dict[int, int] = {}
+        #: standbys are forked from a zygote per zygote environment (False: spawned)
+        self.fork = fork
+        self._zygotes: dict[str, Zygote] = {}  # zygote_env as JSON -> its zygote
+        self._zygote_deaths: dict[str, int] = {}  # in a row, before it was ready
 
     def keep(self, slot: int, count: int, env: dict[str, str]) -> None:
         """Keeps ``count`` standbys for ``slot``, spawned with environment ``env``
@@ -197,22 +209,36 @@ class StandbyPool:
         return [s.process.pid for s in self._standbys.get(slot, [])]
 
     def take(
-        self, slot: int, argv: tuple[str, ...], env: dict[str, str], stdio: tuple[int, int, int]
-    ) -> subprocess.Popen[bytes] | None:
+        self,
+        slot: int,
+        argv: tuple[str, ...],
+        env: dict[str, str],
+        stdio: tuple[int, int, int],
+        wait: float = 0.0,
+    ) -> subprocess.Popen[bytes] | ZygoteChild | None:
         """A standby of ``slot`` turned into the worker ``argv`` with ``env`` and the
         file descriptors ``stdio`` (stdin, stdout, stderr); ``None`` if there is none
         (or the command cannot run on one): the caller spawns the worker then.
 
         Ready standbys first; one still importing is better than none (it runs
-        the worker as soon as its imports are done). Its replacement is spawned
-        by the next :meth:`maintain`.
+        the worker as soon as its imports are done); with none left, one forked
+        on the spot from the slot's zygote, waiting up to ``wait`` seconds for
+        one still importing (a spawned worker would spend that time importing
+        too). Its replacement is made by the next :meth:`maintain`.
         """
         if not can_run(argv):
             return None
         pool = self._standbys.get(slot, [])
         pool.sort(key=lambda s: not s.check_ready())
-        while pool:
-            standby = pool.pop(0)
+        while True:
+            if pool:
+                standby = pool.pop(0)
+            else:  # none left: one forked on the spot, if the slot's zygote is ready
+                count, slot_env = self._wanted.get(slot, (0, {}))
+                made = self._start(slot, slot_env, wait) if count > 0 else None
+                if made is None:
+                    return None
+                standby = made
             if standby.process.poll() is not None:
                 standby.discard()
                 continue
@@ -231,7 +257,6 @@ class StandbyPool:
             standby.sock.close()  # the standby needs nothing more from us
             log.debug("standby %d of slot %d becomes a worker", standby.process.pid, slot)
             return standby.process
-        return None
 
     def maintain(self) -> None:
         """Replaces dead standbys and fills every slot up to its count (never blocks
@@ -265,27 +290,98 @@ class StandbyPool:
             if self._early_deaths.get(slot, 0) >= MAX_EARLY_DEATHS:
                 continue
             while len(pool) < count:
-                pool.append(self._start(slot, env))
+                standby = self._start(slot, env)
+                if standby is None:  # its zygote is still importing
+                    break
+                pool.append(standby)
             while len(pool) > count:
                 pool.pop().discard()
+        self._close_unused_zygotes()
 
-    def _start(self, slot: int, env: dict[str, str]) -> Standby:
+    def _start(self, slot: int, env: dict[str, str], wait: float = 0.0) -> Standby | None:
+        """A new standby of ``slot``: forked from its zygote, or spawned where
+        standbys are not forked; ``None`` while the zygote is still importing
+        (after waiting up to ``wait`` seconds for it)."""
+        zygote = self._zygote(env)
+        if zygote is not None and not zygote.ready():
+            if not zygote.wait_ready(wait):
+                return None
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            argv = [
-                sys.executable,
-                "-m",
-                "inprocess.failover.standby",
-                str(theirs.fileno()),
-                str(os.getpid()),
-            ]
-            process = self._spawn(argv, {**env, ROOM_ENV: "." * ROOM_SIZE}, (theirs.fileno(),))
+            process: subprocess.Popen[bytes] | ZygoteChild | None
+            if zygote is not None:
+                process = zygote.fork_standby(env, theirs.fileno())
+            else:
+                argv = [
+                    sys.executable,
+                    "-m",
+                    "inprocess.failover.standby",
+                    str(theirs.fileno()),
+                    str(os.getpid()),
+                ]
+                process = self._spawn(argv, {**env, ROOM_ENV: "." * ROOM_SIZE}, (theirs.fileno(),))
         except BaseException:
             ours.close()
             raise
         finally:
             theirs.close()
+        if process is None:  # the zygote died: the next maintain replaces it
+            ours.close()
+            return None
         return Standby(process, ours, slot, env)
+
+    def _zygote(self, env: dict[str, str]) -> Zygote | None:
+        """The zygote for standbys of ``env``, started if need be (it imports in the
+        background); ``None`` where standbys are spawned: forking is off, or this
+        environment's zygotes kept dying before they were ready."""
+        if not self.fork:
+            return None
+        key = json.dumps(zygote_env(env), sort_keys=True)
+        if self._zygote_deaths.get(key, 0) >= MAX_EARLY_DEATHS:
+            return None
+        zygote = self._zygotes.get(key)
+        if zygote is not None and not zygote.alive():
+            del self._zygotes[key]
+            early = not zygote.was_ready
+            log.warning(
+                "standby zygote %d ended (exit code %s)%s: replacing it",
+                zygote.process.pid,
+                zygote.process.returncode,
+                " before it was ready" if early else "",
+            )
+            zygote.close()
+            self._zygote_deaths[key] = self._zygote_deaths.get(key, 0) + 1 if early else 0
+            if self._zygote_deaths[key] >= MAX_EARLY_DEATHS:
+                log.error(
+                    "standby zygotes died %d times in a row before they were ready: "
+                    "standbys of their environment are spawned",
+                    MAX_EARLY_DEATHS,
+                )
+                return None
+            zygote = None
+        if zygote is None:
+            zygote = self._zygotes[key] = Zygote(self._spawn, zygote_env(env))
+        return zygote
+
+    def any_zygote(self, wait: float = 0.0) -> Zygote | None:
+        """A live zygote of this pool, ready if one is; waits up to ``wait`` seconds
+        for one still importing; ``None`` if there is none."""
+        live = [z for z in self._zygotes.values() if z.alive()]
+        ready = [z for z in live if z.ready()]
+        if ready:
+            return ready[0]
+        if live and live[0].wait_ready(wait):
+            return live[0]
+        return None
+
+    def _close_unused_zygotes(self) -> None:
+        used = {
+            json.dumps(zygote_env(env), sort_keys=True)
+            for count, env in self._wanted.values()
+            if count > 0
+        }
+        for key in [k for k in self._zygotes if k not in used]:
+            self._zygotes.pop(key).close()
 
     def close(self) -> None:
         """Ends every standby (the job is over, or the backend is closed)."""
@@ -294,6 +390,9 @@ class StandbyPool:
             for standby in pool:
                 standby.discard()
         self._standbys.clear()
+        for zygote in self._zygotes.values():
+            zygote.close()
+        self._zygotes.clear()
 
 
 def _send(sock: socket.socket, message: dict[str, Any], fds: tuple[int, int, int]) -> None:
@@ -352,7 +451,12 @@ def _show_environ(env: dict[str, str]) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    fd, parent = (int(a) for a in (argv or sys.argv[1:])[:2])
+    args = list(argv or sys.argv[1:])
+    if args and args[0] == ZYGOTE_FLAG:
+        from .zygote import main as zygote_main
+
+        return zygote_main(int(args[1]), int(args[2]))
+    fd, parent = (int(a) for a in args[:2])
     _die_with_parent(signal.SIGKILL)
     if os.getppid() != parent:  # the backend died before the tie was made
         return 0
@@ -364,6 +468,12 @@ def main(argv: list[str] | None = None) -> int:
     import inprocess  # noqa: F401
 
     del torch
+    return serve(sock)
+
+
+def serve(sock: socket.socket) -> int:
+    """A warm standby's life after its imports (spawned, or forked by a zygote):
+    ready, then its assignment, then the worker it is assigned to be."""
     with contextlib.suppress(OSError):
         sock.sendall(_READY)
     try:

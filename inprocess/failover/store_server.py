@@ -73,34 +73,29 @@ def _alive(pid: int) -> bool:
     return True
 
 
+#: starts ``python -m MODULE ARGS`` in a session of its own with stdin from
+#: /dev/null: (argv, env, pass_fds) -> the process (``poll``, ``kill``, ``wait``).
+#: A backend may fork it from a preloaded process instead of spawning it.
+Spawn = Callable[[list[str], dict[str, str], tuple[int, ...]], Any]
+
+
 def start_store_server(
     host: str,
     timeout: float = 60.0,
     preexec_fn: Callable[[], None] | None = None,
     port: int = 0,
+    spawn: Spawn | None = None,
 ) -> StoreServer:
     """Starts a store server and returns once it accepts connections.
 
     ``preexec_fn`` runs in the child before the server starts (e.g. to tie its
-    life to its parent's). ``port``: the port to bind (0: a free one)."""
+    life to its parent's). ``port``: the port to bind (0: a free one).
+    ``spawn``: how to start it (default: a new interpreter)."""
     ready_r, ready_w = os.pipe()
     env = _server_env()
+    argv = [sys.executable, "-m", "inprocess.failover.store_server", host, str(ready_w), str(port)]
     try:
-        process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "inprocess.failover.store_server",
-                host,
-                str(ready_w),
-                str(port),
-            ],
-            pass_fds=(ready_w,),
-            start_new_session=True,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            preexec_fn=preexec_fn,
-        )
+        process = (spawn or _spawner(preexec_fn))(argv, env, (ready_w,))
     finally:
         os.close(ready_w)
     try:
@@ -121,28 +116,28 @@ def start_store_server(
 class SpareStoreServer:
     """A store server started ahead of need; :meth:`take` makes it the job's."""
 
-    def __init__(self, host: str, preexec_fn: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        host: str,
+        preexec_fn: Callable[[], None] | None = None,
+        spawn: Spawn | None = None,
+    ) -> None:
         self.host = host
         ready_r, ready_w = os.pipe()
         hold_r, self._hold = os.pipe()
+        argv = [
+            sys.executable,
+            "-m",
+            "inprocess.failover.store_server",
+            host,
+            str(ready_w),
+            "0",
+            str(hold_r),
+            str(os.getpid()),  # the parent it dies with until taken
+        ]
         try:
-            self.process = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "inprocess.failover.store_server",
-                    host,
-                    str(ready_w),
-                    "0",
-                    str(hold_r),
-                    str(os.getpid()),
-                ],
-                pass_fds=(ready_w, hold_r),
-                start_new_session=True,
-                stdin=subprocess.DEVNULL,
-                env=_server_env(),
-                preexec_fn=preexec_fn,
-            )
+            spawn = spawn or _spawner(preexec_fn)
+            self.process = spawn(argv, _server_env(), (ready_w, hold_r))
         except BaseException:
             os.close(ready_r)
             os.close(self._hold)
@@ -179,6 +174,20 @@ class SpareStoreServer:
         if self._hold >= 0:
             os.close(self._hold)
             self._hold = -1
+
+
+def _spawner(preexec_fn: Callable[[], None] | None) -> Spawn:
+    def spawn(argv: list[str], env: dict[str, str], pass_fds: tuple[int, ...]) -> Any:
+        return subprocess.Popen(
+            argv,
+            pass_fds=pass_fds,
+            start_new_session=True,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            preexec_fn=preexec_fn,
+        )
+
+    return spawn
 
 
 def _server_env() -> dict[str, str]:

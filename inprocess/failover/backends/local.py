@@ -31,12 +31,19 @@ from typing import Any
 
 from ..processes import process_start_time
 from ..standby import StandbyPool
+from ..zygote import ORPHANED, ZygoteChild
 from . import ProcessExit, WorkerLaunch
 
 log = logging.getLogger(__name__)
 
 #: how long to wait for the supervisor's record of an orphan's exit status
 EXIT_RECORD_WAIT = 2.0
+#: how long a worker start may wait for its node's standby zygote to finish
+#: importing (it does not wait when no zygote runs: ``--standby 0``). At a job's
+#: start the zygote was started just before the workers; waiting for it costs
+#: the workers nothing (a spawned one would spend that time importing), saves
+#: the node an import per worker, and holds the controller for that long.
+ZYGOTE_WAIT = 60.0
 
 
 def exit_record_path(exits_dir: Path, pid: int) -> Path:
@@ -80,12 +87,16 @@ def read_exit_record(exits_dir: Path, pid: int) -> ProcessExit:
 class LocalBackend:
     """Worker processes of this machine, each in its own session and process group."""
 
-    def __init__(self, state_dir: Path, die_with_parent: bool = False) -> None:
+    def __init__(
+        self, state_dir: Path, die_with_parent: bool = False, zygote_wait: float = ZYGOTE_WAIT
+    ) -> None:
         #: workers get SIGKILL when this process dies (PR_SET_PDEATHSIG), for a host
         #: that must take its workers with it (a Ray node agent)
         self.die_with_parent = die_with_parent
+        #: how long :meth:`start` may wait for a standby zygote still importing
+        self.zygote_wait = zygote_wait
         self.exits_dir = state_dir / "exits"  # the exit records of reaped orphans
-        self._children: dict[int, subprocess.Popen[bytes]] = {}
+        self._children: dict[int, subprocess.Popen[bytes] | ZygoteChild] = {}
         self._pidfds: dict[int, int] = {}
         self._poller = select.poll()
         self.standbys = StandbyPool(self._spawn_standby, die_with_parent)
@@ -95,11 +106,15 @@ class LocalBackend:
             process = None
             with _stdio_fds(stdio) as fds:
                 if fds is not None:
-                    process = self.standbys.take(launch.slot, launch.argv, launch.env, fds)
+                    process = self.standbys.take(
+                        launch.slot, launch.argv, launch.env, fds, wait=self.zygote_wait
+                    )
             if process is None:
                 process = self._spawn(list(launch.argv), launch.env, **stdio)
         self._children[process.pid] = process
-        self._watch(process.pid)
+        # a forked worker's pidfd is the zygote's, opened at the fork: the worker may
+        # have ended, and its zygote reaped it, already
+        self._watch(process.pid, getattr(process, "pidfd", None))
         start_time = process_start_time(process.pid)
         return process.pid, start_time if start_time is not None else 0.0
 
@@ -141,6 +156,19 @@ class LocalBackend:
     ) -> subprocess.Popen[bytes]:
         return self._spawn(argv, env, pass_fds, stdin=subprocess.DEVNULL)
 
+    def spawn_module(
+        self, argv: list[str], env: dict[str, str], pass_fds: tuple[int, ...]
+    ) -> subprocess.Popen[bytes] | ZygoteChild:
+        """A process of the job that is no worker (its store server): forked from a
+        standby zygote when one runs (waiting up to :attr:`zygote_wait` for it to
+        finish importing), else spawned; its own session, stdin from /dev/null."""
+        zygote = self.standbys.any_zygote(self.zygote_wait)
+        if zygote is not None:
+            child = zygote.fork_module(argv, env, pass_fds)
+            if child is not None:
+                return child
+        return self._spawn(argv, env, pass_fds, stdin=subprocess.DEVNULL)
+
     def keep_standbys(self, slot: int, count: int, env: dict[str, str]) -> None:
         """Keeps ``count`` warm standbys for the workers of ``slot``, spawned with
         ``env`` (the workers' common environment); 0 ends those it has."""
@@ -158,8 +186,8 @@ class LocalBackend:
             return False
         return True
 
-    def _watch(self, pid: int) -> None:
-        fd = os.pidfd_open(pid)
+    def _watch(self, pid: int, pidfd: int | None = None) -> None:
+        fd = os.pidfd_open(pid) if pidfd is None else os.dup(pidfd)
         self._pidfds[pid] = fd
         self._poller.register(fd, select.POLLIN)
 
@@ -203,6 +231,8 @@ class LocalBackend:
         child = self._children.pop(pid, None)
         if child is not None:
             code = child.wait()
+            if code == ORPHANED:  # ended after its zygote died: the supervisor reaped it
+                return self.exit_of(pid)
             return ProcessExit(pid, code if code >= 0 else None, -code if code < 0 else None)
         # An orphan from an earlier controller: the supervisor reaps it and records it.
         return self.exit_of(pid)
@@ -232,6 +262,9 @@ class LocalBackend:
             with contextlib.suppress(OSError):
                 self._poller.unregister(fd)
             os.close(fd)
+        for child in self._children.values():
+            if isinstance(child, ZygoteChild):
+                child.close()
         self._children.clear()
 
 

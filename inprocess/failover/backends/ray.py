@@ -103,7 +103,8 @@ class NodeAgent:
         self.job_id = job_id
         self.slot = slot
         self._dir = Path(tempfile.mkdtemp(prefix="inprocess-agent-"))
-        self._backend = LocalBackend(self._dir, die_with_parent=True)
+        # never waits for a zygote: the controller's calls to this agent have a deadline
+        self._backend = LocalBackend(self._dir, die_with_parent=True, zygote_wait=0.0)
         self._started: dict[int, float] = {}  # pid -> start time, of every worker started here
         self._exits: dict[int, ProcessExit] = {}  # every exit seen here (for exit_of)
         self._unreported: list[ProcessExit] = []
