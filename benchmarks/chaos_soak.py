@@ -129,8 +129,10 @@ def run_one(
     steps: int = 400,
     deadline: float = 300.0,
     log: Any = None,
+    time_scale: float = 1.0,
 ) -> RunResult:
-    """One launch with ``faults`` random faults; checks every guarantee."""
+    """One launch with ``faults`` random faults; checks every guarantee.
+    ``time_scale`` stretches the workers' detection timeouts (a loaded machine)."""
     rng = random.Random(seed)
     job_id = f"chaos-{seed}-{os.getpid()}-{time.monotonic_ns()}"
     state_dir, out = workdir / "state", workdir / "out"
@@ -149,7 +151,7 @@ def run_one(
         # fmt: on
         proc = subprocess.Popen(
             command,
-            env=ENV,
+            env={**ENV, "CHAOS_TIME_SCALE": str(time_scale)},
             stdout=output,
             stderr=subprocess.STDOUT,
             start_new_session=True,

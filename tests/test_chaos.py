@@ -30,10 +30,13 @@ _spec.loader.exec_module(chaos)
 SEEDS = (0, 4, 15)
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(560)
 @pytest.mark.parametrize("seed", SEEDS)
 def test_chaos(tmp_path, seed):
-    result = chaos.run_one(seed, tmp_path, faults=3, steps=300, deadline=360)
+    # Detection timeouts x3: this run shares the machine with the suite's other
+    # jobs, and what it checks is the outcome, not how fast hangs are seen
+    # (the soak benchmark runs them at x1).
+    result = chaos.run_one(seed, tmp_path, faults=3, steps=300, deadline=500, time_scale=3.0)
     print(result.summary())
     assert result.ok, result.summary()
     assert result.faults, "the run injected no fault"

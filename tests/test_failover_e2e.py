@@ -26,11 +26,16 @@ ENV = dict(
     os.environ,
     PYTHONWARNINGS="ignore:Failed to initialize NumPy",
     RES_OPTIONS="timeout:1 attempts:1",
+    # tests/workers/chaos_train.py's detection timeouts x3: these jobs share 2
+    # cores with the suite's other jobs, and a starved rank must not read as hung
+    CHAOS_TIME_SCALE="3",
 )
 
 
 class Launch:
-    """One ``inprocess-run`` job in ``tmp``; everything of it is killed at the end."""
+    """One ``inprocess-run`` job in ``tmp``; everything of it is killed at the end.
+    With the launcher's default of a warm standby per node: the node's zygote
+    then imports torch once for its store server, workers and standbys."""
 
     def __init__(self, tmp: Path, *flags: str, script: Path = TRAIN, script_args=()):
         self.state_dir = tmp / "state"
@@ -54,9 +59,6 @@ class Launch:
                 self.job_id,
                 "--monitor-interval",
                 "0.05",
-                # warm standbys cost every job a few `import torch` of CPU: only
-                # where a test asks (tests/test_failover_standby.py has their own)
-                *(() if "--standby" in flags else ("--standby", "0")),
                 *flags,
                 str(script),
                 "--result-dir",

@@ -24,7 +24,13 @@ _bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_bench)
 SOFT, HARD, GRACE, HEARTBEAT = _bench.SOFT, _bench.HARD, _bench.GRACE, _bench.HEARTBEAT
 TIMED = _bench.TIMED
-MARGIN = 1.5  # the bound on top of each timeout
+# Slack on top of each timeout. The bounds here prove *which* path recovered:
+# each stays below the next slower mechanism's timeout (at once < SOFT, SOFT +
+# MARGIN < HARD), so a loaded machine's scheduling delays do not fail them; the
+# latencies themselves (the 1.5 s bound) are measured by
+# benchmarks/detection_latency.py.
+MARGIN = 2.5
+assert MARGIN < SOFT and SOFT + MARGIN < HARD
 
 WORLD = 4
 VICTIM = 2

@@ -574,7 +574,7 @@ def test_inprocess_run_reports_the_restarter_states_of_each_restart(tmp_path):
     )
     env[MARKER] = marker
     cmd = [sys.executable, "-m", "inprocess.failover.cli", "--nproc-per-node", "4"]
-    cmd += ["--state-dir", str(state_dir), "--standby", "0", "--quiet"]
+    cmd += ["--state-dir", str(state_dir), "--quiet"]
     cmd += [str(WORKERS / "newest_example.py"), "--shape", "advanced", "--nested-restarter"]
     cmd += ["--seed", "3", "--fault-prob", "0.01", "--total-iterations", "80"]
     cmd += ["--path", str(tmp_path)]

@@ -35,7 +35,7 @@ def test_exceptions_redo_no_step_and_the_report_shows_the_state(tmp_path):
     )
     command = [
         sys.executable, "-m", "inprocess.failover.cli",
-        "--nnodes", "1", "--nproc-per-node", "2", "--standby", "0",
+        "--nnodes", "1", "--nproc-per-node", "2",
         "--state-dir", str(state_dir), "--job-id", job_id, "--monitor-interval", "0.05",
         str(TRAIN), "--result-dir", str(out), "--steps", str(steps),
         "--step-time", "0.01", "--fault-every", "15", "--seed", "1",

@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import datetime
 import errno
+import functools
 import logging
 import os
 import re
@@ -164,6 +165,10 @@ class Controller:
         _write_pid_file(controller_pid_path(self.state_dir))
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, self._on_signal)
+        # The store client's ``import torch`` starts now, beside the zygote's: the
+        # workers are forked ready-made, and a fault before we can read their store
+        # (whether the Wrapper runs them) would cost a cold restart.
+        threading.Thread(target=_import_store_client, name="inprocess-import", daemon=True).start()
         now = time.time()
         if recovering:
             log.warning("controller restarted: recovering job %s", self.spec.job_id)
@@ -651,8 +656,13 @@ class Controller:
             and not self.spec.master_port
             and not hasattr(self.backend, "start_store_server")
         ):
+            # forked if the zygote is ready, never waiting for it: nobody needs a
+            # spare yet (after a controller crash the zygote is still importing)
             spawn = getattr(self.backend, "spawn_module", None)
-            self._spare_server = SpareStoreServer(self.spec.master_addr, spawn=spawn)
+            self._spare_server = SpareStoreServer(
+                self.spec.master_addr,
+                spawn=functools.partial(spawn, wait=0.0) if spawn is not None else None,
+            )
 
     def start_worker(self, worker: int, batched: bool = False) -> None:
         record = self.state.workers[worker]
@@ -780,6 +790,11 @@ class Controller:
 
 class _StopRequested(Exception):
     """A stop request came during a long action: the action is abandoned."""
+
+
+def _import_store_client() -> None:
+    with contextlib.suppress(Exception):
+        import torch.distributed  # noqa: F401
 
 
 class _BoundedCalls:

@@ -222,9 +222,9 @@ class StandbyPool:
 
         Ready standbys first; one still importing is better than none (it runs
         the worker as soon as its imports are done); with none left, one forked
-        on the spot from the slot's zygote, waiting up to ``wait`` seconds for
-        one still importing (a spawned worker would spend that time importing
-        too). Its replacement is made by the next :meth:`maintain`.
+        on the spot from the slot's zygote, waiting for one still importing
+        until ``wait`` seconds after it was started (a spawned worker would
+        spend that time importing too). Its replacement is made by the next :meth:`maintain`.
         """
         if not can_run(argv):
             return None
@@ -301,7 +301,7 @@ class StandbyPool:
     def _start(self, slot: int, env: dict[str, str], wait: float = 0.0) -> Standby | None:
         """A new standby of ``slot``: forked from its zygote, or spawned where
         standbys are not forked; ``None`` while the zygote is still importing
-        (after waiting up to ``wait`` seconds for it)."""
+        (after waiting for it until ``wait`` seconds after its start)."""
         zygote = self._zygote(env)
         if zygote is not None and not zygote.ready():
             if not zygote.wait_ready(wait):
@@ -364,8 +364,8 @@ class StandbyPool:
         return zygote
 
     def any_zygote(self, wait: float = 0.0) -> Zygote | None:
-        """A live zygote of this pool, ready if one is; waits up to ``wait`` seconds
-        for one still importing; ``None`` if there is none."""
+        """A live zygote of this pool, ready if one is; waits for one still
+        importing until ``wait`` seconds after its start; ``None`` if none is ready."""
         live = [z for z in self._zygotes.values() if z.alive()]
         ready = [z for z in live if z.ready()]
         if ready:
@@ -427,6 +427,17 @@ def _die_with_parent(sig: int) -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
 
 
+def _own_area(field: int) -> tuple[int, int]:
+    """The addresses of one of our memory areas that ``/proc/self/stat`` gives as
+    its fields ``field`` and ``field + 1`` (start and end; ``(0, 0)`` if unknown)."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # fields[0] is field 3
+        return int(fields[field - 3]), int(fields[field - 2])
+    except (OSError, IndexError, ValueError):
+        return 0, 0
+
+
 def _show_environ(env: dict[str, str]) -> bool:
     """Writes ``env`` over our initial environment block, the one that
     ``/proc/PID/environ`` (``ps e``, ``psutil.Process.environ()``) shows, so that
@@ -437,12 +448,7 @@ def _show_environ(env: dict[str, str]) -> bool:
     its size (the standby's environment plus :data:`ROOM_ENV`); ``False`` if
     the worker's does not fit (``/proc`` then shows the standby's).
     """
-    try:
-        with open("/proc/self/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        start, end = int(fields[47]), int(fields[48])  # env_start, env_end (fields 50, 51)
-    except (OSError, IndexError, ValueError):
-        return False
+    start, end = _own_area(50)  # env_start, env_end
     block = b"".join(f"{k}={v}".encode(errors="surrogateescape") + b"\0" for k, v in env.items())
     if start <= 0 or len(block) + 1 > end - start:
         return False

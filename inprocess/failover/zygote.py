@@ -161,6 +161,7 @@ class Zygote:
         finally:
             theirs.close()
         self._sock = ours
+        self.started = time.monotonic()
         self._ready = False
         self.lost = False  # the zygote died: its children are the subreaper's now
         self._children: dict[int, ZygoteChild] = {}
@@ -176,9 +177,10 @@ class Zygote:
                     self._lose()
         return self._ready and self.alive()
 
-    def wait_ready(self, timeout: float) -> bool:
-        """Waits up to ``timeout`` seconds for :meth:`ready`."""
-        deadline = time.monotonic() + timeout
+    def wait_ready(self, within: float) -> bool:
+        """Waits for :meth:`ready` until ``within`` seconds after the zygote was
+        started (so that many callers wait for it once, not once each)."""
+        deadline = self.started + within
         while not self.ready():
             left = deadline - time.monotonic()
             if left <= 0 or self.lost:
@@ -422,12 +424,9 @@ def _show_argv(argv: list[str]) -> bool:
     spaces and ended by a NUL, the area's last byte not NUL; the kernel then
     shows the title alone, which tools split at the spaces.
     """
-    try:
-        with open("/proc/self/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        start, end = int(fields[45]), int(fields[46])  # arg_start, arg_end (fields 48, 49)
-    except (OSError, IndexError, ValueError):
-        return False
+    from .standby import _own_area
+
+    start, end = _own_area(48)  # arg_start, arg_end
     title = " ".join(argv).encode(errors="surrogateescape") + b"\0"
     if start <= 0 or len(title) + 1 > end - start:
         return False

@@ -38,12 +38,13 @@ log = logging.getLogger(__name__)
 
 #: how long to wait for the supervisor's record of an orphan's exit status
 EXIT_RECORD_WAIT = 2.0
-#: how long a worker start may wait for its node's standby zygote to finish
-#: importing (it does not wait when no zygote runs: ``--standby 0``). At a job's
-#: start the zygote was started just before the workers; waiting for it costs
-#: the workers nothing (a spawned one would spend that time importing), saves
-#: the node an import per worker, and holds the controller for that long.
-ZYGOTE_WAIT = 60.0
+#: until how long after its start a worker's (or the store server's) start waits
+#: for the node's standby zygote to finish importing (no wait when no zygote
+#: runs: ``--standby 0``). At a job's start the zygote was started just before
+#: the server and the workers; waiting for it costs them nothing (a spawned one
+#: would spend that time importing), saves the node an import per process, and
+#: holds the controller for that long, once.
+ZYGOTE_WAIT = 120.0
 
 
 def exit_record_path(exits_dir: Path, pid: int) -> Path:
@@ -93,7 +94,7 @@ class LocalBackend:
         #: workers get SIGKILL when this process dies (PR_SET_PDEATHSIG), for a host
         #: that must take its workers with it (a Ray node agent)
         self.die_with_parent = die_with_parent
-        #: how long :meth:`start` may wait for a standby zygote still importing
+        #: until how long after its start :meth:`start` waits for a zygote still importing
         self.zygote_wait = zygote_wait
         self.exits_dir = state_dir / "exits"  # the exit records of reaped orphans
         self._children: dict[int, subprocess.Popen[bytes] | ZygoteChild] = {}
@@ -157,12 +158,17 @@ class LocalBackend:
         return self._spawn(argv, env, pass_fds, stdin=subprocess.DEVNULL)
 
     def spawn_module(
-        self, argv: list[str], env: dict[str, str], pass_fds: tuple[int, ...]
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        pass_fds: tuple[int, ...],
+        wait: float | None = None,
     ) -> subprocess.Popen[bytes] | ZygoteChild:
         """A process of the job that is no worker (its store server): forked from a
-        standby zygote when one runs (waiting up to :attr:`zygote_wait` for it to
-        finish importing), else spawned; its own session, stdin from /dev/null."""
-        zygote = self.standbys.any_zygote(self.zygote_wait)
+        standby zygote when one runs (waiting for its imports until ``wait``
+        seconds, default :attr:`zygote_wait`, after its start), else spawned;
+        its own session, stdin from /dev/null."""
+        zygote = self.standbys.any_zygote(self.zygote_wait if wait is None else wait)
         if zygote is not None:
             child = zygote.fork_module(argv, env, pass_fds)
             if child is not None:
