@@ -3,9 +3,10 @@
 A local backend keeps one standby on each of ``--slots`` node slots; then
 ``--replacements`` times a standby becomes a worker (a script that exits at
 once) and the pool makes a new one. Measured per mode: seconds until every
-slot has a ready standby, seconds until each replacement is ready, and the CPU
-seconds all the pool's processes used (``RUSAGE_CHILDREN`` once they are
-reaped: a forked standby's time counts through its zygote).
+slot has a ready standby, seconds from a standby's assignment until its
+replacement is ready, and the CPU seconds all the pool's processes used
+(``RUSAGE_CHILDREN`` once they are reaped: a forked standby's time counts
+through its zygote; the workers' own exits are in both).
 
     .venv/bin/python benchmarks/standby_zygote.py --slots 2 --replacements 3
 """
@@ -66,11 +67,11 @@ def run(fork: bool, slots: int, replacements: int, tmp: Path) -> dict[str, float
             )
             pid, _ = backend.start(launch)
             t0 = time.monotonic()
-            ended = False
-            while not ended:
-                ended = any(e.pid == pid for e in backend.wait(0.01))
-            _ready(backend, slots)
+            _ready(backend, slots)  # the used standby's replacement
             again.append(time.monotonic() - t0)
+            ended = False
+            while not ended:  # the worker's own end (an interpreter exit with torch)
+                ended = any(e.pid == pid for e in backend.wait(0.01))
     finally:
         backend.close()
     return {"first": first, "again": again, "cpu": _cpu() - cpu0}

@@ -20,7 +20,14 @@ pytestmark = pytest.mark.slow
 #: a hard timeout far above what the bounded unwind needs: reaching it fails the test
 HARD = 30.0
 UNWIND = 2.0
-WRAPPER = {**TIMED, "hard_timeout": HARD, "soft_timeout": 20.0, "unwind_timeout": UNWIND}
+#: heartbeats are not under test here: a timeout a starved rank cannot miss on a loaded machine
+WRAPPER = {
+    **TIMED,
+    "hard_timeout": HARD,
+    "soft_timeout": 20.0,
+    "heartbeat_timeout": 20.0,
+    "unwind_timeout": UNWIND,
+}
 RAISER, STUCK = 1, 2
 
 

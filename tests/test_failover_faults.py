@@ -140,7 +140,9 @@ def _errors(output: str) -> list[str]:
 def test_sigterm_during_a_large_launch_ends_within_5s(tmp_path):
     workers = min(60, cli.local_capacity())
     with Launch(
-        tmp_path, "--nnodes", "1", "--nproc-per-node", str(workers), script=_script(tmp_path)
+        tmp_path,
+        *("--nnodes", "1", "--nproc-per-node", str(workers), "--standby", "0"),
+        script=_script(tmp_path),
     ) as launch:
         launch.wait_until(lambda: any(launch.out.glob("rank*")), what="a first worker")
         os.kill(launch.proc.pid, signal.SIGTERM)
@@ -177,10 +179,7 @@ def test_a_disk_that_refuses_the_state_costs_the_job_nothing(tmp_path, monkeypat
     monkeypatch.setattr(test_failover_e2e, "RUN", limited)
     with Launch(
         tmp_path,
-        "--nnodes",
-        "1",
-        "--nproc-per-node",
-        "2",
+        *("--nnodes", "1", "--nproc-per-node", "2", "--standby", "0"),
         script=_script(tmp_path),
         script_args=["--sleep", "1"],
     ) as launch:
@@ -222,7 +221,9 @@ def test_an_emptied_state_file_and_a_dead_controller_end_the_job_with_a_reason(t
     (planted / "keep").write_text("mine\n")
     (state_dir / "exits").symlink_to(planted)
     with Launch(
-        tmp_path, "--nnodes", "1", "--nproc-per-node", "2", script=_script(tmp_path)
+        tmp_path,
+        *("--nnodes", "1", "--nproc-per-node", "2", "--standby", "0"),
+        script=_script(tmp_path),
     ) as launch:
         launch.wait_until(lambda: len(list(launch.out.glob("rank*"))) == 2, what="the workers")
         launch.wait_until(lambda: launch.state()["stage"] == "RUNNING", what="RUNNING")
@@ -296,10 +297,16 @@ def test_a_launch_saves_the_state_once_not_per_worker(tmp_path):
     saves = []
     save = controller.states.save
     controller.states.save = lambda state: (saves.append(state.stage), save(state))
+    from inprocess.failover.controller import SAVE_BATCH_SECONDS
+
+    start = time.monotonic()
     controller.apply(policy.start_job(controller.state, now=time.time()))
+    took = time.monotonic() - start
     assert len(controller.backend.started) == 200
     assert controller.state.stage.value == "RUNNING"
-    assert len(saves) <= 5, f"{len(saves)} saves for one launch of 200 workers"
+    # saves are batched by time: a slow machine's launch takes longer, not one save a worker
+    allowed = 5 + took / SAVE_BATCH_SECONDS
+    assert len(saves) <= min(allowed, 50), f"{len(saves)} saves for one launch of 200 workers"
     assert saves[-1].value == "RUNNING"  # the state on disk is the final one
 
 

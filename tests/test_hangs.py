@@ -36,8 +36,14 @@ WORLD = 4
 VICTIM = 2
 
 
-def spec(**kw):
-    s = {"wrapper": dict(TIMED), "steps": 8, "steps_after_restart": 4}
+#: the heartbeat timeout where heartbeats are not the path under test: long enough
+#: that a rank starved by a loaded machine is not declared lost by its peers
+PATIENT_HEARTBEAT = 20.0
+
+
+def spec(heartbeat: float = PATIENT_HEARTBEAT, **kw):
+    wrapper = {**TIMED, "heartbeat_timeout": heartbeat}
+    s = {"wrapper": wrapper, "steps": 8, "steps_after_restart": 4}
     s.update(kw)
     return s
 
@@ -178,7 +184,7 @@ def test_lost_rank_and_monitor_detected_by_heartbeats(tmp_path):
         for p in victims:
             p.kill()  # ... then kill: nobody gets to report
 
-    result, fault_time = external_fault(tmp_path, kill_both)
+    result, fault_time = external_fault(tmp_path, kill_both, heartbeat=HEARTBEAT)
     check_only_victim_lost(result)
     delays = ready_after(result, fault_time)
     assert set(delays) == {0, 1, 3}

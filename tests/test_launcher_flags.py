@@ -25,7 +25,8 @@ import pytest
 from inprocess._net import free_port
 from inprocess.failover import cli
 
-RUN = [sys.executable, "-m", "inprocess.failover.cli"]
+# tiny workers without torch: spawned (a standby zygote would import torch for them)
+RUN = [sys.executable, "-m", "inprocess.failover.cli", "--standby", "0"]
 ENV = dict(
     os.environ,
     RES_OPTIONS="timeout:1 attempts:1",
