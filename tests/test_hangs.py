@@ -22,14 +22,18 @@ _spec = importlib.util.spec_from_file_location("detection_latency", _PATH)
 assert _spec is not None and _spec.loader is not None
 _bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_bench)
-SOFT, HARD, GRACE, HEARTBEAT = _bench.SOFT, _bench.HARD, _bench.GRACE, _bench.HEARTBEAT
-TIMED = _bench.TIMED
+# The benchmark's timeouts, stretched: these tests share a small machine with
+# the suite's other jobs, where a rank can be starved for seconds; in proportion,
+# every path keeps its order (soft < heartbeat < hard).
+TIME_SCALE = 3.0
+SOFT, HARD, HEARTBEAT = (t * TIME_SCALE for t in (_bench.SOFT, _bench.HARD, _bench.HEARTBEAT))
+GRACE = _bench.GRACE
+TIMED = {**_bench.TIMED, "soft_timeout": SOFT, "hard_timeout": HARD, "heartbeat_timeout": HEARTBEAT}
 # Slack on top of each timeout. The bounds here prove *which* path recovered:
 # each stays below the next slower mechanism's timeout (at once < SOFT, SOFT +
-# MARGIN < HARD), so a loaded machine's scheduling delays do not fail them; the
-# latencies themselves (the 1.5 s bound) are measured by
-# benchmarks/detection_latency.py.
-MARGIN = 2.5
+# MARGIN < HARD); the latencies themselves, at the benchmark's timeouts (the
+# issue's 1.5 s bound), are measured by benchmarks/detection_latency.py.
+MARGIN = 4.0
 assert MARGIN < SOFT and SOFT + MARGIN < HARD
 
 WORLD = 4
@@ -38,7 +42,7 @@ VICTIM = 2
 
 #: the heartbeat timeout where heartbeats are not the path under test: long enough
 #: that a rank starved by a loaded machine is not declared lost by its peers
-PATIENT_HEARTBEAT = 20.0
+PATIENT_HEARTBEAT = 30.0
 
 
 def spec(heartbeat: float = PATIENT_HEARTBEAT, **kw):

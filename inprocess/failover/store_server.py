@@ -79,9 +79,14 @@ def _alive(pid: int) -> bool:
 Spawn = Callable[[list[str], dict[str, str], tuple[int, ...]], Any]
 
 
+#: seconds a store server may take to accept connections (its ``import torch``
+#: when spawned: minutes on a loaded machine that is slow to hand out memory)
+START_TIMEOUT = 180.0
+
+
 def start_store_server(
     host: str,
-    timeout: float = 60.0,
+    timeout: float = START_TIMEOUT,
     preexec_fn: Callable[[], None] | None = None,
     port: int = 0,
     spawn: Spawn | None = None,
@@ -147,7 +152,9 @@ class SpareStoreServer:
             os.close(hold_r)
         self._ready = os.fdopen(ready_r, "rb")
 
-    def take(self, timeout: float = 60.0, die_with_parent: bool = False) -> StoreServer | None:
+    def take(
+        self, timeout: float = START_TIMEOUT, die_with_parent: bool = False
+    ) -> StoreServer | None:
         """The server, once it accepts connections (waits up to ``timeout``), no
         longer tied to our life unless ``die_with_parent``; ``None`` if it died."""
         try:
