@@ -29,12 +29,12 @@ while True:
 """
 
 
-def _agent():
+def _agent(silence: float = 2.0):
     proc = subprocess.Popen(
         [sys.executable, "-c", AGENT], stdout=subprocess.PIPE, text=True, env=os.environ
     )
     port = int(proc.stdout.readline())
-    return proc, HeartbeatWatch(("127.0.0.1", port), silence=2.0)
+    return proc, HeartbeatWatch(("127.0.0.1", port), silence=silence)
 
 
 def _first_loss(watch, timeout):
@@ -64,13 +64,15 @@ def test_busy_agent_is_not_lost_a_dead_one_is_at_once():
 
 @pytest.mark.timeout(60)
 def test_stopped_agent_is_lost_after_the_silence():
-    proc, watch = _agent()
+    # a longer silence limit than the product's 2 s: before the SIGSTOP the agent
+    # must not look lost, and a loaded machine can starve its beats that long
+    proc, watch = _agent(silence=5.0)
     try:
         assert _first_loss(watch, 1.0) is None
         stopped = time.monotonic()
         os.kill(proc.pid, signal.SIGSTOP)
-        assert "no heartbeat" in (_first_loss(watch, 15.0) or "")
-        assert time.monotonic() - stopped >= 1.5
+        assert "no heartbeat" in (_first_loss(watch, 30.0) or "")
+        assert time.monotonic() - stopped >= 4.0
     finally:
         proc.kill()
         proc.wait()
