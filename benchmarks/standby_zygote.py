@@ -32,10 +32,15 @@ def _cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _ready(backend: LocalBackend, slots: int, timeout: float = 900.0) -> None:
+def _ready(
+    backend: LocalBackend, slots: int, ended: set[int] | None = None, timeout: float = 900.0
+) -> None:
+    """Waits until every slot has a ready standby; pids that end meanwhile go to ``ended``."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        backend.wait(0.01)
+        for exit_ in backend.wait(0.01):
+            if ended is not None:
+                ended.add(exit_.pid)
         pools = [backend.standbys._standbys.get(s, []) for s in range(slots)]
         if all(pool and all(s.check_ready() for s in pool) for pool in pools):
             return
@@ -67,11 +72,11 @@ def run(fork: bool, slots: int, replacements: int, tmp: Path) -> dict[str, float
             )
             pid, _ = backend.start(launch)
             t0 = time.monotonic()
-            _ready(backend, slots)  # the used standby's replacement
+            ended: set[int] = set()
+            _ready(backend, slots, ended)  # the used standby's replacement
             again.append(time.monotonic() - t0)
-            ended = False
-            while not ended:  # the worker's own end (an interpreter exit with torch)
-                ended = any(e.pid == pid for e in backend.wait(0.01))
+            while pid not in ended:  # the worker's own end (an interpreter exit with torch)
+                ended.update(e.pid for e in backend.wait(0.01))
     finally:
         backend.close()
     return {"first": first, "again": again, "cpu": _cpu() - cpu0}

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import json
 import logging
 import os
@@ -331,6 +332,12 @@ def main(fd: int, parent: int) -> int:
     import inprocess  # noqa: F401
 
     del torch
+    # What the imports made is shared with every fork until written to. The
+    # collector would write to all of it in each child (its first full pass
+    # copies every page of the heap, seconds where page faults are slow):
+    # frozen objects are never traversed again.
+    gc.collect()
+    gc.freeze()
     with contextlib.suppress(OSError):
         sock.sendall(b"ready")
     children: dict[int, int] = {}  # pidfd -> pid
