@@ -245,7 +245,7 @@ def run_example(tmp_path: Path, name: str, args: list[str]) -> tuple[str, list[f
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
     try:
-        returncode = proc.wait(150)
+        returncode = proc.wait(240)  # the ranks' interpreter exit alone: 30 s here
     finally:
         proc.kill()
         proc.wait()
@@ -261,16 +261,17 @@ def run_example(tmp_path: Path, name: str, args: list[str]) -> tuple[str, list[f
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(540)
+@pytest.mark.timeout(900)
 def test_newest_examples_under_torchrun(tmp_path):
-    # One job per shape; faults drawn with a fixed seed so that every job restarts.
+    # One job per shape; faults drawn with a fixed seed so that every job restarts
+    # (3-4 times: at 0.01 the seed 3 faulted 52 times and ran 955 iterations of 200).
     figures = {}
     for name, args in (
-        ("basic", ["--shape", "basic", "--seed", "5", "--fault-prob", "0.01"]),
-        ("advanced", ["--shape", "advanced", "--seed", "3", "--fault-prob", "0.01"]),
+        ("basic", ["--shape", "basic", "--seed", "5", "--fault-prob", "0.005"]),
+        ("advanced", ["--shape", "advanced", "--seed", "3", "--fault-prob", "0.005"]),
         (
             "nested",
-            ["--shape", "advanced", "--nested-restarter", "--seed", "3", "--fault-prob", "0.01"],
+            ["--shape", "advanced", "--nested-restarter", "--seed", "3", "--fault-prob", "0.005"],
         ),
     ):
         text, latencies = run_example(tmp_path, name, args)
@@ -576,7 +577,7 @@ def test_inprocess_run_reports_the_restarter_states_of_each_restart(tmp_path):
     cmd = [sys.executable, "-m", "inprocess.failover.cli", "--nproc-per-node", "4"]
     cmd += ["--state-dir", str(state_dir), "--quiet"]
     cmd += [str(WORKERS / "newest_example.py"), "--shape", "advanced", "--nested-restarter"]
-    cmd += ["--seed", "3", "--fault-prob", "0.01", "--total-iterations", "80"]
+    cmd += ["--seed", "3", "--fault-prob", "0.008", "--total-iterations", "80"]  # 8 faults
     cmd += ["--path", str(tmp_path)]
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)

@@ -40,7 +40,10 @@ def test_worker_killed_in_second_call_rejoins_that_call(tmp_path):
         for rank in range(4):
             assert finishes[(rank, 1)] == {"call": 1, "world": 4}, events
         # the survivors' processes were never restarted
-        assert all(e["incarnation"] == 0 for e in events if e["rank"] != victim)
+        assert all(e["incarnation"] == 0 for e in events if e["rank"] != victim), (
+            [e for e in events if e["rank"] != victim and e["incarnation"] != 0],
+            state["events"],
+        )
         check_after_run(job)
 
 

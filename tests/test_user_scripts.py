@@ -29,7 +29,7 @@ pytestmark = pytest.mark.slow
 
 USER_SCRIPT = REPO / "benchmarks" / "workers" / "user_script.py"
 WORLD = 4
-RESTART_BOUND = 3.0  # generous for a loaded 2-core machine; the figures are printed
+RESTART_BOUND = 8.0  # below its smallest timeout (10 s): no restart waited on one; figures printed
 
 
 def events(out: Path) -> list[dict]:
@@ -89,9 +89,11 @@ LOST_STATUS = {
     "inject-kill": -9,
     "inject-term": -15,
 }
-#: per restart: none of these faults has a timeout, so a second each (and some
-#: slack for this loaded machine; the figures are printed)
-PER_RESTART = 2.0
+#: per restart: none of these faults waits out a timeout (the smallest, the
+#: heartbeat's, is 5 s), so well under one each on an idle machine; the bound
+#: only tells a restart that waited on a timeout from one that did not, with
+#: slack for a loaded machine (the figures are printed; speed is benchmarked)
+PER_RESTART = 4.5
 
 
 def check_faulty_app(out: Path, kind: str, returncodes: list[int | None] | None) -> None:

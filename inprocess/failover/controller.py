@@ -72,6 +72,9 @@ log = logging.getLogger(__name__)
 
 #: exit code of the controller when told to stop by Ctrl-C (other signals: 128 + signal)
 INTERRUPTED_EXIT_CODE = 130
+#: what the kernel sends us when the launcher dies (``PR_SET_PDEATHSIG``): not a
+#: stop signal anyone sends, so that a forwarded SIGTERM needs no second look
+LAUNCHER_DEATH_SIGNAL = signal.SIGUSR2
 #: time a worker gets between SIGTERM and SIGKILL when stopped
 STOP_GRACE = 5.0
 #: a store server seen stopped (SIGSTOP) this long is hung: it is killed and replaced
@@ -163,12 +166,16 @@ class Controller:
 
     def run(self, recovering: bool) -> int:
         _write_pid_file(controller_pid_path(self.state_dir))
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, LAUNCHER_DEATH_SIGNAL):
             signal.signal(sig, self._on_signal)
-        # The store client's ``import torch`` starts now, beside the zygote's: the
-        # workers are forked ready-made, and a fault before we can read their store
-        # (whether the Wrapper runs them) would cost a cold restart.
-        threading.Thread(target=_import_store_client, name="inprocess-import", daemon=True).start()
+        if self.spec.standby > 0:
+            # The store client's ``import torch`` starts now, beside the zygote's:
+            # the workers are forked ready-made, and a fault before we can read
+            # their store (whether the Wrapper runs them) would cost a cold
+            # restart. Spawned workers import torch themselves: no hurry then.
+            threading.Thread(
+                target=_import_store_client, name="inprocess-import", daemon=True
+            ).start()
         now = time.time()
         if recovering:
             log.warning("controller restarted: recovering job %s", self.spec.job_id)
@@ -182,12 +189,10 @@ class Controller:
                 self.finish()
                 break
             if self._stop_signal is not None:
-                name = signal.Signals(self._stop_signal).name
-                code, reason = signal_exit_code(self._stop_signal), f"stopped by {name}"
-                # our SIGTERM came from the kernel (PR_SET_PDEATHSIG)?
-                if _launcher_gone(wait=1.0 if self._stop_signal == signal.SIGTERM else 0.0):
-                    code, reason = policy.FAILURE_EXIT_CODE, "inprocess-run died: stopping the job"
-                self.apply(policy.request_stop(self.state, code, reason, now=time.time()))
+                stop = self._stop_request()
+                if stop is not None:
+                    code, reason = stop
+                    self.apply(policy.request_stop(self.state, code, reason, now=time.time()))
                 continue
             self.flush()  # a save that failed is retried every loop
             for event in self.observe():
@@ -208,6 +213,21 @@ class Controller:
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self._stop_signal = signum
+
+    def _stop_request(self) -> tuple[int, str] | None:
+        """The exit code and reason of the pending stop signal; None (and the
+        signal dropped) for a launcher death signal the launcher outlived."""
+        signum = self._stop_signal
+        assert signum is not None
+        if signum != LAUNCHER_DEATH_SIGNAL:
+            return signal_exit_code(signum), f"stopped by {signal.Signals(signum).name}"
+        # Sent by the kernel when the thread that started us ended: a killed
+        # launcher's other threads can keep it our parent a moment longer.
+        if _launcher_gone(wait=1.0):
+            return policy.FAILURE_EXIT_CODE, "inprocess-run died: stopping the job"
+        log.warning("%s, but inprocess-run is alive: ignored", signal.Signals(signum).name)
+        self._stop_signal = None
+        return None
 
     # ---------------------------------------------------------------- deciding
 
@@ -897,12 +917,13 @@ def main(argv: list[str] | None = None) -> int:
         level=args.log_level,
         format="%(asctime)s inprocess-run[controller] %(levelname)s %(message)s",
     )
-    # The launcher's death ends the job: the kernel tells us with SIGTERM (handled
-    # like any stop request). Set before anything else; if the launcher is
-    # already gone, the signal would never come: stop at once.
+    # The launcher's death ends the job: the kernel tells us with a signal of its
+    # own (a SIGTERM the launcher forwards is then told from it at once). Set
+    # before anything else; if the launcher is already gone, the signal would
+    # never come: stop at once.
     expected = os.environ.get("INPROCESS_SUPERVISOR_PID")
-    if not die_with_parent(signal.SIGTERM, int(expected) if expected else None):
-        os.kill(os.getpid(), signal.SIGTERM)
+    if not die_with_parent(LAUNCHER_DEATH_SIGNAL, int(expected) if expected else None):
+        os.kill(os.getpid(), LAUNCHER_DEATH_SIGNAL)
     controller = Controller(args.state_dir)
     code = policy.FAILURE_EXIT_CODE
     with contextlib.suppress(BrokenPipeError):
@@ -916,4 +937,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_code = main()
+    # The job ended and its state is saved: nothing is left for the interpreter's
+    # teardown but torch's (seconds on a busy machine, holding up the launcher).
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(exit_code)

@@ -234,7 +234,6 @@ def main() -> int:
         nonlocal stop
         stop = True
 
-    signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the controller decides when to stop
     import torch.distributed as dist
 
@@ -252,6 +251,9 @@ def main() -> int:
         use_libuv=True,
         master_listen_fd=fd,
     )
+    # Until now a SIGTERM ends us at once (its default): a server stopped while
+    # still importing torch (a launch stopped early) has nothing to end in order.
+    signal.signal(signal.SIGTERM, on_term)
     with os.fdopen(ready_fd, "w") as ready:
         ready.write(f"{store.port}\n")
     if hold_fd is not None:
@@ -277,4 +279,9 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Served and closed: skip torch's interpreter teardown (seconds on a busy
+    # machine, for which whoever stops us would wait).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

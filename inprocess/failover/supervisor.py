@@ -152,7 +152,7 @@ class Supervisor:
       process of the job and holds the only read end of the lifeline pipe; its
       write end lives only here (not inheritable), so whatever ends this process
       closes it and the guard ends the job;
-    * the controller gets SIGTERM from the kernel when this process dies
+    * the controller gets SIGUSR2 from the kernel when this process dies
       (``PR_SET_PDEATHSIG``) and stops the job in order;
     * cleanup only touches processes carrying this run's token.
     """
