@@ -90,10 +90,9 @@ import socket
 import struct
 import subprocess
 import sys
-from collections.abc import Callable
 from typing import Any
 
-from .zygote import ZYGOTE_FLAG, Zygote, ZygoteChild, zygote_env
+from .zygote import ZYGOTE_FLAG, Spawn, Zygote, ZygoteChild, zygote_env
 
 log = logging.getLogger(__name__)
 
@@ -163,10 +162,6 @@ class Standby:
             with contextlib.suppress(ProcessLookupError):
                 self.process.kill()
         self.process.wait()
-
-
-#: spawns a process: (argv, env, pass_fds) -> the child (the backend's one spawn path)
-Spawn = Callable[[list[str], dict[str, str], tuple[int, ...]], "subprocess.Popen[bytes]"]
 
 
 class StandbyPool:
