@@ -355,7 +355,7 @@ def test_cold_restart_takes_the_spare_store_server_and_limits_leave_nothing(tmp_
     plain = _Job(tmp_path / "b", "--standby", "0", steps=60)
     normal = _Job(tmp_path / "c", steps=60)
     try:
-        _wait(lambda: _state(limited.state_dir).get("wrapper_managed"), 120, "the Wrapper job")
+        _wait(lambda: _state(limited.state_dir).get("wrapper_managed"), 240, "the Wrapper job")
         current = _state(limited.state_dir)["store"]["pid"]
         spare = _wait(lambda: _store_servers(limited.job_id) - {current}, 240, "a spare server")
         os.kill(current, signal.SIGKILL)

@@ -221,11 +221,12 @@ FAST = dict(
 def test_hang_protection_off_outlives_the_hard_timeout_but_faults_still_restart(single_rank):
     calls = []
 
-    @inprocess.Wrapper(soft_timeout=1 * s, hard_timeout=2 * s, **FAST)
+    # timeouts a starved main thread cannot reach by accident on a loaded machine
+    @inprocess.Wrapper(soft_timeout=2 * s, hard_timeout=4 * s, **FAST)
     def train(call_wrapper: inprocess.CallWrapper = None):
         calls.append(call_wrapper.iteration)
         with call_wrapper.hang_protection_disabled():
-            time.sleep(3.5)  # longer than the hard timeout, the GIL released
+            time.sleep(5.5)  # longer than the hard timeout, the GIL released
             if call_wrapper.iteration == 0:
                 raise RuntimeError("a fault inside still restarts")
         return "done"
@@ -287,6 +288,12 @@ def run_style(style: str, tmp_path) -> tuple[list[int], dict[int, dict]]:
     return result.returncodes, reports
 
 
+def _faults(names: list[str]) -> list[str]:
+    """Exception type names, a peer's fault as one: it reaches a rank as gloo's
+    error or as the monitor thread's interrupt, whichever comes first."""
+    return ["fault" if n in ("RuntimeError", "RankShouldRestart") else n for n in names]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(360)
 def test_one_training_job_in_each_generation_ends_the_same(tmp_path):
@@ -298,7 +305,8 @@ def test_one_training_job_in_each_generation_ends_the_same(tmp_path):
         # exactly STEPS steps applied once each, after 2 restarts, by 3 active ranks
         assert results == [{"step": 8, "weight": 8.0, "world": 3, "iteration": 2}] * 3, results
         outcomes[style] = {
-            r: (rep["result"], rep["finalize"], rep["health_check"]) for r, rep in reports.items()
+            r: (rep["result"], _faults(rep["finalize"]), _faults(rep["health_check"]))
+            for r, rep in reports.items()
         }
         generation = "GUIDE" if style == "guide" else "NEWER"
         assert {rep["generation"] for rep in reports.values()} == {generation}

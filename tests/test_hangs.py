@@ -41,7 +41,7 @@ TIMED = {
 # each stays below the next slower mechanism's timeout (at once < SOFT, SOFT +
 # MARGIN < HARD); the latencies themselves, at the benchmark's timeouts (the
 # issue's 1.5 s bound), are measured by benchmarks/detection_latency.py.
-MARGIN = 4.0
+MARGIN = 7.0  # a rank starved for seconds at load 40 still fits
 assert MARGIN < SOFT and SOFT + MARGIN < HARD
 
 WORLD = 4

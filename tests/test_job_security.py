@@ -248,7 +248,7 @@ def test_two_jobs_with_one_id(tmp_path):
         # A process that is not of this run but carries the same job id (an earlier
         # run's leftover, another user's look-alike): cleanup must not touch it.
         bystander = subprocess.Popen(
-            [sys.executable, "-c", "import time; time.sleep(120)"],
+            [sys.executable, "-c", "import time; time.sleep(3600)"],  # outlives the test
             env=dict(ENV, INPROCESS_JOB_ID=a.job_id),
         )
         try:

@@ -444,8 +444,9 @@ def test_filter_grouped_by_key_property(job, group_size, kind):
 
 def process_rank(port: int, rank: int, world_size: int, host: str) -> None:
     """One rank with its own store client; publishes its outcome in the store."""
+    # the child processes' ranks import torch first: a minute or more on a loaded machine
     store = TCPStore(
-        host_name="127.0.0.1", port=port, is_master=False, timeout=datetime.timedelta(seconds=30)
+        host_name="127.0.0.1", port=port, is_master=False, timeout=datetime.timedelta(seconds=240)
     )
     chain = Compose(ShiftRanks(), FilterGroupedByKey(host, condition=lambda c: c == 2, name="proc"))
     state = State(rank=rank, world_size=world_size, store=store)
@@ -467,6 +468,7 @@ process_rank(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
 """
 
 
+@pytest.mark.timeout(300)
 def test_filter_over_tcp_store_across_processes():
     port = free_port()
     # libuv's server would keep a process-wide pipe open after it is gone
@@ -501,7 +503,7 @@ def test_filter_over_tcp_store_across_processes():
         for thread in threads:
             thread.start()
         results = {
-            r: server.wait_for_key(f"result/{r}", datetime.timedelta(seconds=45), 0.05)
+            r: server.wait_for_key(f"result/{r}", datetime.timedelta(seconds=240), 0.05)
             for r in range(4)
         }
     finally:
