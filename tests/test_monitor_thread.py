@@ -252,15 +252,18 @@ def test_atomic_block_is_never_interrupted():
     try:
         monitor.arm(0, store.fault_count(), state=None)
         with pytest.raises(RankShouldRestart):
-            with lock:  # what CallWrapper.atomic() holds
-                store.record_fault("1/x", "boom")
-                spin(0.3)
-                inside_done = time.monotonic()
-            spin(60)  # ends with the exception, sent once the lock is free
-        # The monitor sends the exception, then aborts, both under the lock: the
-        # main thread can catch it before the abort has run. Wait for the lock.
-        with lock:
-            assert aborted and aborted[0] >= inside_done
+            try:
+                with lock:  # what CallWrapper.atomic() holds
+                    store.record_fault("1/x", "boom")
+                    spin(0.3)
+                    inside_done = time.monotonic()
+                spin(60)  # ends with the exception, sent once the lock is free
+            finally:
+                # The monitor sends the exception, then aborts, both under the lock,
+                # and re-sends until disarmed: disarming (under the lock) waits for
+                # the abort, and a re-send landing meanwhile is caught here.
+                monitor.disarm()
+        assert aborted and aborted[0] >= inside_done
     finally:
         monitor.disarm()
         monitor.shutdown()
@@ -339,7 +342,11 @@ def test_soft_timeout_records_a_fault():
     try:
         monitor.arm(0, store.fault_count(), state=None)
         with pytest.raises(RankShouldRestart):
-            spin(5)
+            try:
+                spin(60)
+            finally:
+                # the monitor re-sends until disarmed: disarm where a re-send is caught
+                monitor.disarm()
         assert any("soft timeout" in f["reason"] for f in store.fault_log())
     finally:
         monitor.disarm()
