@@ -24,7 +24,8 @@ number the child reuses). Otherwise it is started as a fresh interpreter
   run (the board's unwind word, written then, outside ``atomic()`` only), a
   main thread that has not come
   back to the Wrapper for ``unwind_timeout`` while idle in the kernel (it used
-  no CPU: stuck in a native call that ignored the abort, not computing) is
+  no CPU and was never runnable: stuck in a native call that ignored the
+  abort, neither computing nor waiting for a core on a loaded machine) is
   SIGKILLed and recorded as "stuck in native code after the abort" with where
   it waits (``wchan``, system call), so the other ranks go on without it;
 * exits when its rank's Wrapper call ends, or right after reporting its rank's
@@ -445,20 +446,21 @@ class _Guardian:
 
         The clock runs from when the abort that follows the restart exception
         has run (never inside ``atomic()``: the monitor thread sends it only outside) and is reset
-        whenever the thread used CPU for at least half of a check's interval: a
-        thread computing in a slow native call is not stuck, and comes back.
+        whenever the thread used any CPU since the last check or is runnable:
+        a thread computing in a slow native call is not stuck, and comes back;
+        neither is one that an overloaded machine gives a few percent of a core
+        (it waits in the run queue, not in a native call).
         """
         started = self.board.unwind_started()
         if not started or self.config.unwind_timeout <= 0 or self.stuck_reason is not None:
             self.unwind = None
             return
-        cpu = _cpu_ticks(self.task_dir)
+        runnable, cpu = _thread_activity(self.task_dir)
         if self.unwind is None or self.unwind[0] != started:
             self.unwind = (started, max(started, now - self.config.interval), cpu)
             return
         _, busy_at, last_cpu = self.unwind
-        ticks = os.sysconf("SC_CLK_TCK")
-        if cpu - last_cpu >= 0.5 * self.config.interval * ticks:
+        if runnable or cpu > last_cpu:
             self.unwind = (started, now, cpu)
             return
         self.unwind = (started, busy_at, last_cpu)
@@ -553,14 +555,18 @@ _SYSCALLS = {
 }  # fmt: skip
 
 
-def _cpu_ticks(task_dir: str) -> int:
-    """The thread's user + system CPU time in clock ticks (0 if unreadable)."""
+def _thread_activity(task_dir: str) -> tuple[bool, int]:
+    """(runnable, user + system CPU time in clock ticks) of a thread; (False, 0) if unreadable.
+
+    Runnable is the state ``R``: running or waiting for a core. A thread asleep
+    in the kernel (``S``, ``D``) or stopped is not.
+    """
     try:
         with open(f"{task_dir}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
-        return int(fields[11]) + int(fields[12])
+        return fields[0] == "R", int(fields[11]) + int(fields[12])
     except (OSError, IndexError, ValueError):
-        return 0
+        return False, 0
 
 
 def _thread_location(task_dir: str) -> str:

@@ -364,9 +364,22 @@ def test_progress_watchdog_sees_a_blocked_main_thread():
         settle_within(lambda: watchdog.stalled_for() < 0.1)
         # blocked in C: no pending call can run (a tick starved up to 0.3 s
         # can still date the progress before the block late)
-        time.sleep(0.6)
-        assert watchdog.stalled_for() > 0.3
-        assert time.monotonic() - board.last_progress() > 0.3
+        # (sampled by another thread while this one still waits in C: once it
+        # wakes, the next tick's pending call dates the progress anew)
+        seen: list[tuple[float, float]] = []
+        sampled = threading.Event()
+
+        def sample() -> None:
+            seen.append((watchdog.stalled_for(), time.monotonic() - board.last_progress()))
+            sampled.set()
+
+        sampler = threading.Timer(0.8, sample)
+        sampler.start()
+        assert sampled.wait(60)
+        sampler.join()
+        ((stalled, since_progress),) = seen
+        assert stalled > 0.3
+        assert since_progress > 0.3
         settle_within(lambda: watchdog.stalled_for() < 0.1)
         watchdog.ping()
         time.sleep(0.2)

@@ -465,6 +465,11 @@ import sys
 sys.path.insert(0, sys.argv[1])
 from test_rank_assignment import process_rank
 process_rank(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
+# torch's interpreter teardown can take half a minute on a loaded machine
+import os
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)
 """
 
 
@@ -509,7 +514,7 @@ def test_filter_over_tcp_store_across_processes():
     finally:
         for proc in procs:
             try:
-                proc.wait(10)
+                proc.wait(60)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(5)

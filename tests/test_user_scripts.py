@@ -134,13 +134,13 @@ def check_faulty_app(out: Path, kind: str, returncodes: list[int | None] | None)
         assert returncodes in (None, [0] * WORLD)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(200)
 @pytest.mark.parametrize("kind", list(LOST_STATUS))
 def test_faulty_app_ends_by_itself(tmp_path, kind):
     out = tmp_path / "out"
     limit = "0" if kind.startswith("inject-") else "5"  # no limit for the external faults
     with Job(FAULTY_APP, WORLD, tmp_path, args=[kind, str(out), limit]) as job:
-        result = job.wait(90)
+        result = job.wait(170)
     assert all(rc is not None for rc in result.returncodes), result.describe()
     assert not result.leftovers, f"orphans: {result.leftovers}"
     check_faulty_app(out, kind, result.returncodes)

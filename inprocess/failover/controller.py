@@ -61,7 +61,7 @@ from .policy import (
     WorkerReported,
 )
 from .processes import process_start_time
-from .runtime import controller_pid_path, die_with_parent, signal_exit_code
+from .runtime import controller_pid_path, die_with_parent, exit_now, signal_exit_code
 from .standby import common_env
 from .state import JobState, Stage, StateStore, WorkerStatus
 from .store_server import SpareStoreServer, StoreServer, start_store_server
@@ -937,11 +937,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    exit_code = main()
-    # The job ended and its state is saved: nothing is left for the interpreter's
-    # teardown but torch's (seconds on a busy machine, holding up the launcher).
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    os._exit(exit_code)
+    # The job ended and its state is saved: skip torch's teardown.
+    exit_now(main())

@@ -35,6 +35,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .runtime import exit_now
+
 
 @dataclass
 class StoreServer:
@@ -279,9 +281,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    # Served and closed: skip torch's interpreter teardown (seconds on a busy
-    # machine, for which whoever stops us would wait).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    # Served and closed: skip torch's teardown, for which whoever stops us would wait.
+    exit_now(main())
