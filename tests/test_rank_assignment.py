@@ -8,6 +8,7 @@ import random
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 
 import pytest
@@ -448,6 +449,12 @@ def process_rank(port: int, rank: int, world_size: int, host: str) -> None:
     store = TCPStore(
         host_name="127.0.0.1", port=port, is_master=False, timeout=datetime.timedelta(seconds=240)
     )
+    # Everyone is here before the filter's barrier (60 s) starts to count:
+    # the threads' ranks would otherwise wait for the children's torch import.
+    store.add("started", 1)
+    deadline = time.monotonic() + 240
+    while store.add("started", 0) < world_size and time.monotonic() < deadline:
+        time.sleep(0.05)
     chain = Compose(ShiftRanks(), FilterGroupedByKey(host, condition=lambda c: c == 2, name="proc"))
     state = State(rank=rank, world_size=world_size, store=store)
     try:
