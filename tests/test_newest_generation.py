@@ -449,18 +449,20 @@ def test_disable_hang_protection_is_a_context_manager_that_does_not_hang(single_
     s = datetime.timedelta(seconds=1)
     calls = []
 
-    @inprocess.Wrapper(soft_timeout=1 * s, hard_timeout=1.5 * s, **FAST)
+    # 4 s between the soft timeout's restart and the hard timeout's kill (of
+    # this pytest worker): a loaded machine can delay the restart by seconds
+    @inprocess.Wrapper(soft_timeout=2 * s, hard_timeout=6 * s, **FAST)
     def train(call_wrapper: inprocess.CallWrapper | None = None):
         calls.append(call_wrapper.iteration)
         if call_wrapper.iteration == 0:
             with call_wrapper.disable_hang_protection():
-                time.sleep(2.0)  # past both timeouts: neither restarts nor kills
+                time.sleep(6.5)  # past both timeouts: neither restarts nor kills
             with call_wrapper.disable_hang_protection():
                 raise ValueError("a fault inside still restarts")
         if call_wrapper.iteration == 1:
             with call_wrapper.disable_hang_protection():
                 pass
-            time.sleep(1.4)  # protection is back on: the soft timeout restarts it
+            time.sleep(4.0)  # protection is back on: the soft timeout restarts it
         return call_wrapper.iteration
 
     start = time.monotonic()
