@@ -230,8 +230,8 @@ def test_worker_that_always_crashes_stops_the_job(tmp_path, cluster):
     with RayLaunch(
         tmp_path,
         cluster,
-        "--max-restarts",
-        "2",
+        "--max-restarts",  # one relaunch, then over the limit (each costs a worker start)
+        "1",
         "--nnodes",  # one node is enough here
         "1",
         script_args=always_crashing(crash_step=1),
@@ -241,7 +241,7 @@ def test_worker_that_always_crashes_stops_the_job(tmp_path, cluster):
         state = launch.state()
         assert state["stage"] == "STOPPED" and state["exit_code"] == code
         assert "max_restarts" in state["reason"], state["reason"]
-        assert state["worker_restarts"]["1"] == 3
+        assert state["worker_restarts"]["1"] == 2
         check_after_run(launch)
         assert not job_processes(launch.job_id)
 

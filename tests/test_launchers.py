@@ -62,12 +62,12 @@ def run_torchrun(
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("nproc", [2, 4])
-@pytest.mark.parametrize("store_port", ["MASTER_PORT", "MASTER_PORT+2"])
+@pytest.mark.parametrize(("store_port", "nproc"), [("MASTER_PORT", 2), ("MASTER_PORT+2", 4)])
 def test_torchrun_runs_the_guide_script(tmp_path, nproc, store_port):
     """torchrun's agent hosts the store at MASTER_PORT only: the Wrapper's store
     there is a client of it; at another port initial rank 0 hosts it. Both run,
-    and restart after a fault."""
+    and restart after a fault (one world size each: every rank of a torchrun job
+    pays ``import torch``, the slow part of these tests)."""
     extra = {"TEST_STORE_PORT_OFFSET": "2"} if store_port == "MASTER_PORT+2" else {}
     run, leftovers = run_torchrun(tmp_path, "guide_train.py", nproc, extra)
     assert run.returncode == 0, run.stdout[-5000:] + run.stderr[-10000:]

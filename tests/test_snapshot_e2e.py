@@ -208,7 +208,8 @@ def test_a_cold_restart_restores_from_disk_never_from_a_torn_snapshot(tmp_path, 
 
 @pytest.mark.timeout(300)
 def test_a_relaunched_worker_heals_from_a_peer(tmp_path):
-    """Under inprocess-run: a killed worker's new process joins and gets the state from a peer."""
+    """Under inprocess-run: a killed worker's new process joins and gets the state from a peer
+    (its standby's: the default, and what keeps this job to one ``import torch`` per role)."""
     state_dir, out = tmp_path / "state", tmp_path / "out"
     out.mkdir()
     job_id = f"test-{os.getpid()}-{time.monotonic_ns()}"
@@ -241,8 +242,6 @@ def test_a_relaunched_worker_heals_from_a_peer(tmp_path):
                 job_id,
                 "--monitor-interval",
                 "0.05",
-                "--standby",
-                "0",
                 str(WORKERS / "snapshot_train.py"),
             ],
             env=env,

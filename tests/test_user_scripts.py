@@ -94,6 +94,9 @@ LOST_STATUS = {
 #: only tells a restart that waited on a timeout from one that did not, with
 #: slack for a loaded machine (the figures are printed; speed is benchmarked)
 PER_RESTART = 4.5
+#: beside other jobs (load average 4 or more), where a lost rank's own exit
+#: takes seconds: below the app's soft timeout (10 s), so no restart waited it out
+PER_RESTART_LOADED = 9.5
 
 
 def check_faulty_app(out: Path, kind: str, returncodes: list[int | None] | None) -> None:
@@ -121,7 +124,8 @@ def check_faulty_app(out: Path, kind: str, returncodes: list[int | None] | None)
         f"\n{kind}: {len(faults)} restarts, all back in the function within {max(delays):.3f} s"
         f"; restarts without a fault: {spurious}"
     )
-    assert max(delays) < PER_RESTART, delays
+    bound = PER_RESTART if os.getloadavg()[0] < 4 else PER_RESTART_LOADED
+    assert max(delays) < bound, delays
     if lethal:
         # The survivors return (rank 0 alone at the end); the lost ranks ended as their fault says.
         assert [e["rank"] for e in returned] == [0] and returned[0]["value"] == 1

@@ -163,6 +163,8 @@ class JobView:
     def __init__(self, state_dir: Path) -> None:
         self.states = StateStore(state_dir)
         self.state_dir = state_dir
+        #: (inode, mtime, size) of the state file last parsed
+        self._state_seen: tuple[int, int, int] | None = None
         self.started = time.monotonic()
         self.state: Any = None
         #: why the controller could not save the job's state, once it said so
@@ -177,8 +179,15 @@ class JobView:
         self._offsets: dict[str, int] = {}
 
     def refresh(self) -> None:
-        with contextlib.suppress(StateError, OSError, ValueError):
-            self.state = self.states.load()
+        # state.json is replaced (a new inode) on every save: parse it only when it
+        # was, not on every tick (the launcher is otherwise idle for hours)
+        with contextlib.suppress(OSError):
+            st = os.stat(self.states.path)
+            seen = (st.st_ino, st.st_mtime_ns, st.st_size)
+            if seen != self._state_seen:
+                with contextlib.suppress(StateError, ValueError):
+                    self.state = self.states.load()
+                    self._state_seen = seen
         for record in self._read("restarts.jsonl"):
             if record.get("type") != "restart":
                 continue
