@@ -73,19 +73,6 @@ def _patient_unwind_in_this_process() -> None:
     Wrapper.__init__ = patient_init  # type: ignore[method-assign]
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The end-to-end jobs first, the longest (by their timeout) first: the test
-    workers then share them out from the start and end on the quick unit tests,
-    instead of one worker finishing a long job alone while the other idles."""
-
-    def weight(item: pytest.Item) -> tuple[bool, float]:
-        marker = item.get_closest_marker("timeout")
-        timeout = float(marker.args[0]) if marker is not None and marker.args else 0.0
-        return (item.get_closest_marker("slow") is None, -timeout)
-
-    items.sort(key=weight)
-
-
 def pytest_unconfigure(config: pytest.Config) -> None:
     import launcher
 
