@@ -219,9 +219,14 @@ def test_worker_kill_controller_kill_and_node_loss(tmp_path, cluster):
         assert state["worker_restarts"]["2"] == 0 and state["worker_restarts"]["3"] == 0
         lost = [e for e in state["events"] if e["kind"] == "node_lost"]
         assert len(lost) == 1
-        # seen by the job's own heartbeat link, long before Ray's health check
-        # (~15 s at its defaults, which this cluster keeps); bound generous for a busy machine
-        assert "heartbeat connection was closed" in lost[0]["message"], lost[0]
+        # seen long before Ray's health check (~15 s at its defaults, which this
+        # cluster keeps): by the job's own heartbeat link, or, where that races
+        # with it on a busy machine, by Ray's notice that the node's agent actor
+        # died (a removed node's actors die at once); bound generous for a busy machine
+        message = lost[0]["message"]
+        assert (
+            "heartbeat connection was closed" in message or "the agent of node slot" in message
+        ), lost[0]
         assert lost[0]["time"] - lost_at < 5.0, lost[0]
 
 
