@@ -7,8 +7,9 @@ bash scripts/bootstrap.sh
 # unreachable that stalls it for the resolver timeout (5 s). Keep it short.
 export RES_OPTIONS="${RES_OPTIONS:-timeout:1 attempts:1}"
 .venv/bin/python -m ruff check inprocess tests benchmarks examples
-# Two workers: the multi-rank tests mostly wait on timeouts, so they overlap well
-# even on 2 cores. TEST_WORKERS=0 runs serially.
+# Two workers, one per core: a run keeps both busy (every fresh process's
+# `import torch` costs seconds of CPU), so more would only add load. TEST_WORKERS=0
+# runs serially.
 # loadgroup: the tests of one xdist_group run on one worker; the others are
 # spread as usual.
 # The Ray tests run afterwards, on their own: their 4-node Ray cluster (raylets,

@@ -3,6 +3,7 @@ the worker scripts of ``tests/workers`` and the repository importable."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +24,18 @@ __all__ = [
     "RankResult",
     "free_port",
     "job_processes",
+    "machine_is_busy",
     "run_job",
 ]
+
+#: a 1-minute load average from which a 2-core machine counts as busy with other
+#: jobs: speed bounds then only tell "no timeout waited out" (speed is benchmarked)
+BUSY_LOAD = 4.0
+
+
+def machine_is_busy() -> bool:
+    """Whether other jobs load this machine (see :data:`BUSY_LOAD`)."""
+    return os.getloadavg()[0] >= BUSY_LOAD
 
 
 #: this test process's fork template (started for the session by conftest.py):

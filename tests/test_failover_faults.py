@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from launcher import machine_is_busy
 from test_failover_e2e import ENV, RUN, TRAIN, Launch
 
 from inprocess.failover import cli
@@ -152,7 +153,7 @@ def test_sigterm_during_a_large_launch_ends_within_5s(tmp_path):
         assert code == 128 + signal.SIGTERM, launch.output()
         # 5 s is the target (benchmarks/stop_latency.py measures it); a 2-core
         # machine loaded by other test jobs gets more room, not unlimited
-        bound = 5.0 if os.getloadavg()[0] < 4 else 15.0
+        bound = 15.0 if machine_is_busy() else 5.0
         assert took < bound, (
             f"the launcher took {took:.1f}s to stop (SIGTERM sent at {sent_at}, load "
             f"{os.getloadavg()[0]:.1f})\n{launch.output()}"

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from launcher import MARKER, REPO, WORKERS, Job, free_port, job_processes
+from launcher import MARKER, REPO, WORKERS, Job, free_port, job_processes, machine_is_busy
 
 pytestmark = pytest.mark.slow
 
@@ -124,7 +124,7 @@ def check_faulty_app(out: Path, kind: str, returncodes: list[int | None] | None)
         f"\n{kind}: {len(faults)} restarts, all back in the function within {max(delays):.3f} s"
         f"; restarts without a fault: {spurious}"
     )
-    bound = PER_RESTART if os.getloadavg()[0] < 4 else PER_RESTART_LOADED
+    bound = PER_RESTART_LOADED if machine_is_busy() else PER_RESTART
     assert max(delays) < bound, delays
     if lethal:
         # The survivors return (rank 0 alone at the end); the lost ranks ended as their fault says.
