@@ -333,5 +333,9 @@ def test_a_non_number_in_a_counter_is_a_store_error_not_a_hang(tcp):
     store, stranger = tcp
     store.fault_signal()
     stranger.set("inprocess/job/g0/call0/faults", "not a number")
+    # the stranger's set and our add travel on two connections: a read on the
+    # stranger's (answered after its set) makes sure the server holds the value
+    # before we add (without it the add came first once, under load)
+    assert stranger.get("inprocess/job/g0/call0/faults") == b"not a number"
     with pytest.raises(Exception, match=r"(?i)recv|connection|closed|reset"):
         store.fault_signal()  # torch's server drops this client's connection
