@@ -15,10 +15,6 @@ times in a row in each:
 * ``inprocess-standby``: the same with ``--standby 1`` (the default): the
   killed worker is replaced by its node's warm standby, a process that has
   imported torch already.
-* ``inprocess-standby-prefault``: the same with ``INPROCESS_STANDBY_PREFAULT=1``:
-  each standby, forked from its node's zygote, makes the pages it shares with
-  the zygote its own while it waits (``inprocess/failover/prefault.py``), so
-  the relaunched worker does not pay those page faults.
 * ``inprocess-cold`` and ``inprocess-cold-standby``: ``inprocess-run`` running
   ``examples/train_plain.py`` (no Wrapper), ``--standby 0`` and ``--standby 2``:
   every kill is a cold restart of all 4 workers with a new store server (the
@@ -96,7 +92,6 @@ from typing import Any
 import psutil
 
 from inprocess._net import free_port
-from inprocess.failover.prefault import PREFAULT_ENV
 from inprocess.failover.supervisor import processes_with_env
 
 REPO = Path(__file__).resolve().parents[1]
@@ -106,7 +101,6 @@ TAG_VAR = "FAILOVER_BENCH_TAG"
 SYSTEMS = (
     "inprocess",
     "inprocess-standby",
-    "inprocess-standby-prefault",
     "inprocess-cold",
     "inprocess-cold-standby",
     "torchrun",
@@ -116,7 +110,6 @@ SYSTEMS = (
 LABELS = {
     "inprocess": "inprocess-run (2x2)",
     "inprocess-standby": "inprocess-run, standby",
-    "inprocess-standby-prefault": "inprocess-run, standby prefaulted",
     "inprocess-cold": "inprocess-run cold (plain)",
     "inprocess-cold-standby": "inprocess-run cold, standby 2",
     "torchrun": "torchrun static (default)",
@@ -282,9 +275,6 @@ def command(system: str, args: argparse.Namespace, work: Path) -> tuple[list[str
     env: dict[str, str] = {}
     if system.startswith("inprocess"):
         cold = system.startswith("inprocess-cold")
-        standby = "standby" in system.split("-")
-        if system.endswith("-prefault"):
-            env[PREFAULT_ENV] = "1"
         cmd = [
             *launcher("inprocess-run", "inprocess.failover.cli"),
             "--nnodes",
@@ -298,7 +288,7 @@ def command(system: str, args: argparse.Namespace, work: Path) -> tuple[list[str
             *(["--job-max-restarts", str(args.faults)] if cold else []),
             "--standby",
             # a cold restart starts every worker: one standby per worker of a node
-            str(args.standbys or (2 if cold else 1)) if standby else "0",
+            str(args.standbys or (2 if cold else 1)) if system.endswith("standby") else "0",
             "--state-dir",
             str(work / "state"),
             "--job-id",
@@ -713,9 +703,9 @@ def goal_met(results: list[RunResult], steps: int) -> bool:
         if len(r.recovered) != r.planned or r.final_step != steps or r.exit_code != 0:
             return False
         mine = statistics.median(r.recovered)
-        if r.system.startswith("inprocess-standby") and mine > STANDBY_GOAL:
+        if r.system == "inprocess-standby" and mine > STANDBY_GOAL:
             return False
-        if not r.system.startswith("inprocess-cold") and any(
+        if r.system in ("inprocess", "inprocess-standby") and any(
             mine >= statistics.median(t.recovered) for t in torchrun
         ):
             return False

@@ -20,7 +20,6 @@ from test_failover_e2e import Launch
 
 from inprocess.failover.backends import WorkerLaunch
 from inprocess.failover.backends.local import LocalBackend
-from inprocess.failover.prefault import PREFAULT_ENV
 from inprocess.failover.standby import MAX_EARLY_DEATHS, common_env
 from inprocess.failover.supervisor import job_processes
 
@@ -147,16 +146,6 @@ def test_standby_worker_sees_what_a_fresh_worker_sees(tmp_path):
     assert (tmp_path / "warm.log").read_text() == "probe of rank 3 says hello\n"
 
 
-def _memory(pid: int, *fields: str) -> list[int]:
-    """kB of ``fields`` of the process's ``smaps_rollup``, in that order."""
-    found = {}
-    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-        name, _, rest = line.partition(":")
-        if name in fields:
-            found[name] = int(rest.split()[0])
-    return [found[f] for f in fields]
-
-
 def _zygotes(backend: LocalBackend) -> list[int]:
     return [z.process.pid for z in backend.standbys._zygotes.values()]
 
@@ -167,21 +156,15 @@ def test_zygote_forks_standbys_and_its_death_costs_no_worker(tmp_path):
     """Standbys are forked from one zygote per environment (slots share it); a
     dead standby is replaced by a fork; a killed zygote takes its standbys with
     it but not the workers made from them (their end is still seen, as an
-    orphan's), and is replaced; a closed pool leaves nothing. Asked to, standbys
-    make the pages they share with their zygote their own while they wait."""
+    orphan's), and is replaced; a closed pool leaves nothing."""
     (tmp_path / "probe.py").write_text(PROBE)
     backend = LocalBackend(tmp_path / "state")
     try:
-        env = dict(os.environ, **{PREFAULT_ENV: "1"})
-        backend.keep_standbys(0, 1, dict(env, INPROCESS_NODE_SLOT="0"))
-        backend.keep_standbys(1, 1, dict(env, INPROCESS_NODE_SLOT="1"))
+        backend.keep_standbys(0, 1, dict(os.environ, INPROCESS_NODE_SLOT="0"))
+        backend.keep_standbys(1, 1, dict(os.environ, INPROCESS_NODE_SLOT="1"))
         first = _ready_standby(backend, 0)
         _ready_standby(backend, 1)
         [zygote] = _zygotes(backend)
-        # the zygote's written memory (torch and all) is each standby's own by now
-        [waiting] = backend.standbys.standbys(1)
-        zygote_dirty = sum(_memory(zygote, "Private_Dirty", "Shared_Dirty"))
-        _wait(lambda: _memory(waiting, "Private_Dirty")[0] > zygote_dirty // 2, 120, "prefault")
         for slot in (0, 1):
             [standby] = backend.standbys.standbys(slot)
             proc = psutil.Process(standby)

@@ -92,7 +92,6 @@ import subprocess
 import sys
 from typing import Any
 
-from . import prefault
 from .zygote import ZYGOTE_FLAG, Spawn, Zygote, ZygoteChild, zygote_env
 
 log = logging.getLogger(__name__)
@@ -473,16 +472,11 @@ def main(argv: list[str] | None = None) -> int:
     return serve(sock)
 
 
-def serve(sock: socket.socket, forked: bool = False) -> int:
-    """A warm standby's life after its imports (spawned, or ``forked`` by a zygote):
-    ready, then its assignment, then the worker it is assigned to be. A forked
-    one asked to (:mod:`~inprocess.failover.prefault`) first makes the pages it
-    shares with its zygote its own, until the assignment comes."""
+def serve(sock: socket.socket) -> int:
+    """A warm standby's life after its imports (spawned, or forked by a zygote):
+    ready, then its assignment, then the worker it is assigned to be."""
     with contextlib.suppress(OSError):
         sock.sendall(_READY)
-    if forked and prefault.wanted():
-        done, seconds = prefault.prefault(sock)
-        log.debug("standby %d: %d bytes prefaulted in %.3fs", os.getpid(), done, seconds)
     try:
         received = _receive(sock)
     except OSError:

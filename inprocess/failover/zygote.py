@@ -394,7 +394,7 @@ def _standby(env: dict[str, str], fd: int, parent: int) -> int:
     os.environ.update(env)
     _show_environ(env)
     _show_argv([sys.executable, "-m", "inprocess.failover.standby", str(fd), str(parent)])
-    return serve(socket.socket(fileno=fd), forked=True)
+    return serve(socket.socket(fileno=fd))
 
 
 def _module(request: dict[str, Any], fds: list[int], parent: int) -> int:
