@@ -34,7 +34,7 @@ def test_worker_killed_in_second_call_rejoins_that_call(tmp_path):
         state = job.state()
         story = "\n".join(f"{e['kind']}: {e['message']}" for e in state["events"])
         restarts = state["worker_restarts"][str(victim)]
-        if restarts != 1 and machine_is_busy() and restarts <= 3:
+        if 1 < restarts <= 3 and machine_is_busy():
             # Beside other jobs on a loaded machine a relaunched worker has been
             # lost once more (seen once in a full suite run on two cores, not
             # reproduced alone or beside busy loops since):
