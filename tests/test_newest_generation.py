@@ -227,7 +227,7 @@ def test_workload_exception_is_raised_where_the_workload_asks(monkeypatch):
 
 
 def run_example(tmp_path: Path, name: str, args: list[str]) -> tuple[str, list[float]]:
-    """Runs the example script with 2 ranks under torchrun; (log, restart latencies)."""
+    """Runs the example script with :data:`RANKS` ranks under torchrun; (log, restart latencies)."""
     work = tmp_path / name
     work.mkdir()
     marker = uuid.uuid4().hex
@@ -238,7 +238,7 @@ def run_example(tmp_path: Path, name: str, args: list[str]) -> tuple[str, list[f
         PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
     )
     env[MARKER] = marker
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(RANKS)]
     cmd += ["--master-port", str(free_port()), str(WORKERS / "newest_example.py")]
     cmd += ["--path", str(work), "--total-iterations", "200", *args]
     log = work / "torchrun.log"
@@ -260,16 +260,23 @@ def run_example(tmp_path: Path, name: str, args: list[str]) -> tuple[str, list[f
     return text, latencies
 
 
-#: one torchrun job of 2 ranks per shape (each rank's ``import torch`` is the
-#: slow part); faults drawn with a fixed seed so that every job restarts 3 times
-#: (the draws depend on the seed, rank, world size, checkpointed iteration and
-#: restart count only); one test each, so that they spread over the test workers
+#: ranks of each torchrun job: 2 in the suite (each rank's ``import torch`` is
+#: the slow part), 4 with ``INPROCESS_NEWEST_RANKS=4`` (the issue's shape, and
+#: the figures in benchmarks/README.md)
+RANKS = int(os.environ.get("INPROCESS_NEWEST_RANKS", "2"))
+if RANKS not in (2, 4):
+    raise ValueError(f"INPROCESS_NEWEST_RANKS must be 2 or 4, got {RANKS}")
+#: one torchrun job per shape; faults drawn with a fixed seed, chosen per rank
+#: count, so that every job restarts 3-4 times (the draws depend on the seed,
+#: rank, world size, checkpointed iteration and restart count only); one test
+#: each, so that they spread over the test workers
+_SEEDS = {2: {"basic": "4", "advanced": "13"}, 4: {"basic": "5", "advanced": "3"}}[RANKS]
 NEWEST_EXAMPLES = {
-    "basic": ["--shape", "basic", "--seed", "4", "--fault-prob", "0.005"],
-    "advanced": ["--shape", "advanced", "--seed", "13", "--fault-prob", "0.005"],
+    "basic": ["--shape", "basic", "--seed", _SEEDS["basic"], "--fault-prob", "0.005"],
+    "advanced": ["--shape", "advanced", "--seed", _SEEDS["advanced"], "--fault-prob", "0.005"],
     "nested": [
         *("--shape", "advanced", "--nested-restarter"),
-        *("--seed", "13", "--fault-prob", "0.005"),
+        *("--seed", _SEEDS["advanced"], "--fault-prob", "0.005"),
     ],
 }
 
