@@ -512,13 +512,13 @@ class _Guardian:
     def watch_peers(self, now: float) -> None:
         _, _, _, iteration, _ = self.board.read()
         if iteration != self.membership_iteration:
-            # A new iteration of this rank: read who its peers are now.
-            membership = self.store.membership()
-            if membership is None or membership[0] != iteration:
+            # A new iteration of this rank: read who its peers are now (its rank
+            # publishes them: O(1), never the whole membership).
+            published = self.store.peers(self.config.identity)
+            if published is None or published[0] != iteration:
                 return  # not published yet: next time
             self.membership_iteration = iteration
-            members = membership[1]
-            self.peers = _ring_successors(members, self.config.identity, WATCHED_PEERS)
+            self.peers = published[1]
             self.peer_seen = {p: v for p, v in self.peer_seen.items() if p in self.peers}
         if not self.peers:
             return
@@ -536,14 +536,6 @@ class _Guardian:
                 "rank %s sent no heartbeat for %.2fs: declaring it terminated", peer, now - last[1]
             )
             self.store.mark_terminated(peer, f"no heartbeat for {now - last[1]:.2f}s")
-
-
-def _ring_successors(members: list[str], identity: str, count: int) -> list[str]:
-    if identity not in members or len(members) < 2:
-        return []
-    index = members.index(identity)
-    n = len(members)
-    return [members[(index + k) % n] for k in range(1, min(count, n - 1) + 1)]
 
 
 #: x86-64 numbers of the system calls a stuck thread is usually found in

@@ -45,6 +45,7 @@ exception when it is malformed.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import re
 from collections.abc import Iterable, Sequence
@@ -71,6 +72,8 @@ TERMINATED_EPOCH = "terminated_epoch"
 LEFT = "left"
 JOIN_REQUESTS = "join_requests"
 MEMBERSHIP = "membership"
+WAKE_SEQ = "wake_seq"  # counter of the call's wake-ups (see store.StoreMixin.wake_waiters)
+PEERS = "peers"  # per identity: the peers its monitor process watches, per iteration
 HOSTED = "hosted"  # set by a rank that hosts the call's store server
 INITIAL = "initial"  # the initial barrier's name
 PHASES = "phases"  # per iteration: each survivor's restart phases (one JSON line each)
@@ -107,6 +110,11 @@ def iteration_key(iteration: int, name: str) -> str:
     """A key of iteration ``iteration``: ``termination``, ``completion``, ``outcome``, ``exit``,
     ``env`` (the user's ``env://`` rendezvous) or ``barrier/<attempt>``."""
     return f"iter/{iteration}/{name}"
+
+
+def wake_key(k: int) -> str:
+    """The key the ``k``-th wake-up of a call sets (waiters block on the next one)."""
+    return f"wake/{k}"
 
 
 def done_key(rendezvous: str) -> str:
@@ -254,12 +262,42 @@ class Termination:
     cause: RootCause | None = None
 
 
-def encode(decision: MembershipDecision | Termination) -> str:
-    """The single-line JSON text of a decision, as published at a rendezvous."""
+def membership_digest(members: Sequence[str]) -> str:
+    """A short digest of an ordered membership: what a rank that derived one checks it with."""
+    return hashlib.blake2b("\n".join(members).encode(), digest_size=12).hexdigest()
+
+
+class MembershipMismatch(ValueError):
+    """A rank derived another membership than the decider published (a bug, or state that
+    diverged between ranks): training on it would pair the wrong peers."""
+
+
+def encode(
+    decision: MembershipDecision | Termination, participants: Sequence[str] | None = None
+) -> str:
+    """The single-line JSON text of a decision, as published at a rendezvous.
+
+    A :class:`Members` decision with the rendezvous' ``participants`` is
+    published as a change to them (O(changes), not O(N), for every reader): the
+    participants removed, with digests of the participants it applies to and
+    of the result. Only when the decided order is not the participants' own
+    (a rank assignment that reorders survivors) is the whole list sent.
+    """
     if isinstance(decision, Retry):
         data: dict[str, Any] = {"retry": list(decision.terminated)}
     elif isinstance(decision, Failed):
         data = {"error": decision.error}
+    elif isinstance(decision, Members) and participants is not None:
+        kept = set(decision.members)
+        data = {
+            "base": membership_digest(participants),
+            "baseline": decision.baseline,
+            "digest": membership_digest(decision.members),
+        }
+        if list(decision.members) == [p for p in participants if p in kept]:
+            data["removed"] = [p for p in participants if p not in kept]
+        else:
+            data["members"] = list(decision.members)
     elif isinstance(decision, Members):
         data = {"members": list(decision.members), "baseline": decision.baseline}
     elif isinstance(decision, Termination):
@@ -274,13 +312,39 @@ def encode(decision: MembershipDecision | Termination) -> str:
     return json.dumps(data)
 
 
-def decode_membership(text: str) -> MembershipDecision:
+def decode_membership(text: str, participants: Sequence[str] | None = None) -> MembershipDecision:
+    """The decision published at an iteration barrier; a change to ``participants`` is
+    applied and checked against its digests.
+
+    Raises:
+        MembershipMismatch: this rank's participants, or what it derived from
+            them, differ from the decider's.
+    """
     data = json.loads(text)
     if "retry" in data:
         return Retry(tuple(data["retry"]))
     if "error" in data:
         return Failed(str(data["error"]))
-    return Members(tuple(data["members"]), int(data["baseline"]))
+    if "digest" not in data:
+        return Members(tuple(data["members"]), int(data["baseline"]))
+    if participants is None:
+        raise ValueError("a membership published as a change needs the participants")
+    if data["base"] != membership_digest(participants):
+        raise MembershipMismatch(
+            f"this rank's {len(participants)} participants differ from those the decider "
+            f"applied its change to (digest {membership_digest(participants)} != {data['base']})"
+        )
+    if "members" in data:
+        members = tuple(data["members"])
+    else:
+        removed = set(data["removed"])
+        members = tuple(p for p in participants if p not in removed)
+    if membership_digest(members) != data["digest"]:
+        raise MembershipMismatch(
+            f"the membership this rank derived ({len(members)} members, digest "
+            f"{membership_digest(members)}) is not the decider's (digest {data['digest']})"
+        )
+    return Members(members, int(data["baseline"]))
 
 
 def decode_termination(text: str) -> Termination:
@@ -443,6 +507,44 @@ class Membership:
             isinstance(m, str) and valid_identity(m) for m in published.members
         ):
             reject(key, "a malformed membership")
+            return None
+        return published
+
+
+def ring_successors(members: Sequence[str], identity: str, count: int) -> list[str]:
+    """The ``count`` members after ``identity`` in ring order (the peers it watches)."""
+    if identity not in members or len(members) < 2:
+        return []
+    index = list(members).index(identity)
+    n = len(members)
+    return [members[(index + k) % n] for k in range(1, min(count, n - 1) + 1)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Peers:
+    """The peers a rank's monitor process watches in an iteration: published by the rank,
+    so the monitor reads O(1), never the whole membership."""
+
+    iteration: int
+    peers: tuple[str, ...]
+
+    def encode(self) -> str:
+        return json.dumps({"iteration": self.iteration, "peers": list(self.peers)})
+
+    @classmethod
+    def parse(cls, text: str | None, key: str = PEERS) -> Peers | None:
+        """``None`` when absent or malformed (logged once for ``key``)."""
+        if text is None:
+            return None
+        try:
+            data = json.loads(text)
+            published = cls(int(data["iteration"]), tuple(data["peers"]))
+        except (ValueError, KeyError, TypeError):
+            published = None
+        if published is None or not all(
+            isinstance(p, str) and valid_identity(p) for p in published.peers
+        ):
+            reject(key, "malformed peers")
             return None
         return published
 

@@ -47,9 +47,12 @@ Rendezvous
     terminated (authentic arrival records and deaths; the arrival counter only
     says when to look). Whoever notices completion (the last arrival, or a
     waiter that saw a termination) computes the decision and publishes it to a
-    once-key, so all ranks read the same decision. Waits are polled in short chunks so the
-    caller's thread keeps running Python (progress watchdog) and can receive the
-    asynchronous restart exception.
+    once-key, so all ranks read the same decision. A member that died without
+    arriving is counted on its behalf by the first rank that sees it listed,
+    so completion needs no one to read everyone's arrivals but the one that
+    completes it. Waiters block on the store until the call's next wake-up (a
+    decision published, a death listed: :meth:`StoreMixin.wake_waiters`), no
+    polling, in chunks of :data:`WAIT_CHUNK` at most.
 """
 
 from __future__ import annotations
@@ -75,6 +78,12 @@ log = logging.getLogger(__name__)
 
 #: seconds a decider waits for the listed deaths of its rendezvous to be counted
 COUNTED_WAIT = 1.0
+#: longest single store wait of a rank blocked at a rendezvous or barrier. Waiters are
+#: woken by the store when what they wait for changes (:meth:`StoreMixin.wake_waiters`);
+#: the chunk only bounds a wake-up that a stranger forged or a dying writer lost, and
+#: how long the thread stays in native code (signals, ``on_wait``). torch logs a
+#: warning for every wait that times out, so it is not short.
+WAIT_CHUNK = 2.0
 
 #: environment variable naming a store hosted outside the workers (torchrun's convention)
 AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
@@ -131,10 +140,6 @@ class BarrierOverflow(StoreError):
     """More ranks arrived at a rendezvous than it has participants."""
 
 
-def _to_str(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
 def key_path(store: Any, key: str) -> str:
     """The full name of ``key`` in the store under ``store``'s prefixes (the name records
     are sealed with). Prefixes of torch's own ``PrefixStore`` are not known: the
@@ -144,6 +149,11 @@ def key_path(store: Any, key: str) -> str:
         parts.append(store.prefix)
         store = store.base_store
     return "/".join(reversed(parts))
+
+
+#: the expectation of :meth:`StoreMixin.get_or`'s compare-and-set: no value of ours
+#: (a sealed record starts with a newline) and no counter is ever this text
+_ABSENT = "\x00absent\x00"
 
 
 class Poller:
@@ -205,10 +215,16 @@ class StoreMixin:
     # ------------------------------------------------------------------ primitives
 
     def get_or(self, key: str, default: str = "") -> str:
-        """Raw value of ``key``, or ``default`` when absent, without blocking."""
-        if not self.check([key]):
-            return default
-        return self.get(key).decode(errors="replace")
+        """Raw value of ``key``, or ``default`` when absent, without blocking.
+
+        One round trip: a compare-and-set that expects a value nobody writes
+        (:data:`_ABSENT`) changes nothing and answers with the value there, or
+        with the expectation itself when the key is absent (every torch store
+        does so). ``check`` then ``get`` would take two.
+        """
+        value = self.compare_set(key, _ABSENT, _ABSENT)
+        text = value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+        return default if text == _ABSENT else text
 
     # ------------------------------------------------------------------ sealed records
 
@@ -340,10 +356,24 @@ class StoreMixin:
             self.add_entry(P.TERMINATED, P.check_identity(identity))
             self.add(P.TERMINATED_EPOCH, 1)
             self.add(P.FAULTS, 1)
+            self.wake_waiters()  # a rendezvous may be complete without its arrival
         return won
 
     def terminated(self) -> set[str]:
         return set(self.identities(P.TERMINATED))
+
+    def terminated_since(self, epoch: int) -> set[str]:
+        """:meth:`terminated`, read again only when ``epoch`` (a terminated epoch read just
+        before) is not the one of the last read by this client.
+
+        Sound because a death is listed before the epoch is raised: a list read
+        after epoch ``e`` was read holds every death that raised it to ``e``.
+        """
+        cached = getattr(self, "_terminated_cache", None)
+        if cached is None or cached[0] != epoch:
+            cached = (epoch, frozenset(self.terminated()))
+            self._terminated_cache = cached
+        return set(cached[1])
 
     def terminated_epoch(self) -> int:
         """A wake-up for waiters: changes when a death may have been listed."""
@@ -382,14 +412,10 @@ class StoreMixin:
         """The latest authentic heartbeat stamp of each identity (0: none)."""
         if not identities:
             return []
-        keys = [P.per_identity("heartbeat", identity) for identity in identities]
-        present = [self.check([key]) for key in keys]
-        values = self.multi_get([k for k, p in zip(keys, present, strict=True) if p])
-        it = iter(values)
         stamps = []
-        for key, p in zip(keys, present, strict=True):
-            record = self.decode_entries(key, next(it)) if p else []
-            stamps.append(P.int_or_none(record[0] if record else None) or 0)
+        for identity in identities:
+            record = self.read(P.per_identity("heartbeat", identity))
+            stamps.append(P.int_or_none(record) or 0)
         return stamps
 
     # ------------------------------------------------------------------ membership
@@ -403,6 +429,18 @@ class StoreMixin:
         if published is None:
             return None
         return published.iteration, list(published.members)
+
+    def publish_peers(self, identity: str, iteration: int, peers: Sequence[str]) -> None:
+        """Tells the monitor process of ``identity`` whom it watches in ``iteration``."""
+        self.put(P.per_identity(P.PEERS, identity), P.Peers(iteration, tuple(peers)).encode())
+
+    def peers(self, identity: str) -> tuple[int, list[str]] | None:
+        """The iteration and peers ``identity`` published last; ``None`` before."""
+        key = P.per_identity(P.PEERS, identity)
+        published = P.Peers.parse(self.read(key), self.path(key))
+        if published is None:
+            return None
+        return published.iteration, list(published.peers)
 
     # ------------------------------------------------------------------ outcome
 
@@ -470,35 +508,85 @@ class StoreMixin:
         if "\n" in value:
             raise ValueError("rendezvous values must be single-line")
         done_key = P.done_key(name)
-        # The last to arrive decides at once; waiters poll two keys: the
-        # decision, and the terminated epoch (a death may complete the
-        # rendezvous without its arrival).
+        # The last to arrive decides at once. Waiters block on the call's next
+        # wake-up (the store wakes them: no polling): a decision published or a
+        # death listed. A member that died without arriving is counted on its
+        # behalf (once, by whoever sees it first), so the counter completes the
+        # rendezvous on arrivals and deaths alone, and only a rank that raises
+        # the counter to the number of members reads the arrivals list.
         complete = self._arrive(name, identity, value, members)
         deadline = time.monotonic() + timeout.total_seconds()
-        poller = Poller(poll_limit)
+        seq = self.wake_sequence()  # read before looking: no wake-up after the look is missed
         seen_epoch = -1
-        while True:
-            if not complete:
-                if self.check([done_key]):
-                    # None: only a stranger's garbage there
-                    published = P.first_or_none(self.decode_entries(done_key, self.get(done_key)))
-                    if published is not None:
-                        return published
-                epoch = self.terminated_epoch()
-                if epoch != seen_epoch:
-                    seen_epoch = epoch
-                    complete = self._complete_with_terminated(name, members)
-            if complete:
-                decision = self._decide(name, members, decide)
-                return self.set_once(done_key, decision)[1]
-            if time.monotonic() >= deadline:
+        counted: set[str] = set()
+        while not complete:
+            # None: not decided yet, or only a stranger's garbage there
+            published = P.first_or_none(self.entries(done_key))
+            if published is not None:
+                return published
+            epoch = self.terminated_epoch()
+            if epoch != seen_epoch:
+                seen_epoch = epoch
+                complete = self._count_the_dead(name, members, counted, epoch)
+                if complete:
+                    break
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
                 raise BarrierTimeout(
                     f"rendezvous {name!r} timed out after {timeout.total_seconds():.3g}s "
                     f"({self.counter(f'{name}/count')}/{len(members)} arrived)"
                 )
+            seq = self.wait_for_wake_up(seq, min(WAIT_CHUNK, remaining))
             if on_wait is not None:
                 on_wait()
-            poller.sleep(deadline)
+        decision = self._decide(name, members, decide)
+        won, published = self.set_once(done_key, decision)
+        if won:
+            self.wake_waiters()
+        return published
+
+    # ------------------------------------------------------------------ wake-ups
+
+    def wake_sequence(self) -> int:
+        """The number of the call's latest wake-up (a counter: it wakes, it decides nothing)."""
+        return self.counter(P.WAKE_SEQ)
+
+    def wake_waiters(self) -> None:
+        """Wakes every rank blocked at a rendezvous or barrier of the call.
+
+        Invariant: the k-th wake-up sets key ``wake/<k>``. A waiter that read
+        the sequence as ``s`` *before* looking at what it waits for blocks on
+        ``wake/<s+1>``, which the first wake-up after its look sets: none is
+        missed. A stranger's add to the sequence can only make a waiter sleep
+        to the end of its chunk (:data:`WAIT_CHUNK`) before it looks again.
+        """
+        k = int(self.add(P.WAKE_SEQ, 1))
+        self.set(P.wake_key(k), "1")
+
+    def wait_for_wake_up(self, seq: int, seconds: float) -> int:
+        """Blocks until the wake-up after ``seq`` or for ``seconds``; returns the sequence
+        number to wait after next."""
+        if self.wait_for(P.wake_key(seq + 1), seconds):
+            return seq + 1
+        return self.wake_sequence()  # a forged or lost wake-up: go on from the newest
+
+    def wait_for(self, key: str, seconds: float) -> bool:
+        """Blocks until ``key`` exists or ``seconds`` passed; returns whether it exists.
+
+        The store wakes the waiter when the key is set (one round trip, no
+        polling). A store that cannot be reached raises.
+        """
+        try:
+            self.wait([key], datetime.timedelta(seconds=max(seconds, 0.001)))
+            return True
+        except dist.DistNetworkError:
+            raise
+        except (dist.DistStoreError, RuntimeError) as ex:
+            # torch reports a wait's timeout as a DistStoreError ("wait
+            # timeout", TCPStore) or a RuntimeError ("Timeout", FileStore)
+            if "imeout" not in str(ex):
+                raise
+            return False
 
     def _arrive(self, name: str, identity: str, value: str, members: Sequence[str]) -> bool:
         """Arrives; returns whether the rendezvous is complete with this arrival.
@@ -510,17 +598,36 @@ class StoreMixin:
         completion is checked on the authentic arrivals (and deaths).
         """
         self.add_entry(f"{name}/arrivals", f"{identity}={value}")
+        return self._raise_count(name, members)
+
+    def _raise_count(self, name: str, members: Sequence[str]) -> bool:
+        """Raises the rendezvous counter; whether it is complete (checked only at the count
+        of members or above: a member that arrived, then died, counts twice, so a check
+        can come early, and the next raise checks again)."""
         count = int(self.add(f"{name}/count", 1))
         return count >= len(members) and self._complete(name, members)
 
+    def _count_the_dead(
+        self, name: str, members: Sequence[str], counted: set[str], epoch: int
+    ) -> bool:
+        """Counts each terminated member once at this rendezvous, on its behalf.
+
+        Invariant: a dead member raises the counter once, whoever sees it first
+        (a once-key per member claims it), so the counter reaches the
+        number of members when every member arrived or died. Returns whether
+        this rank's raise completed the rendezvous.
+        """
+        complete = False
+        for dead in sorted(self.terminated_since(epoch).intersection(members) - counted):
+            counted.add(dead)
+            # a sealed once-key, not a counter: a stranger's add must not
+            # keep a death from being counted
+            if self.set_once(f"{name}/dead/{dead}", uuid.uuid4().hex)[0]:
+                complete = self._raise_count(name, members) or complete
+        return complete
+
     def _arrivals(self, name: str) -> dict[str, str]:
         return self.by_identity(f"{name}/arrivals")
-
-    def _complete_with_terminated(self, name: str, members: Sequence[str]) -> bool:
-        """Whether deaths complete the rendezvous (read when a death may have been listed;
-        the arrivals only when a member is dead)."""
-        dead = self.terminated().intersection(members)
-        return bool(dead) and self._complete(name, members, dead)
 
     def _complete(self, name: str, members: Sequence[str], dead: set[str] | None = None) -> bool:
         """Whether every member has arrived or is terminated (authentic records only);
@@ -582,8 +689,8 @@ class StoreMixin:
             arrived = [i for i in self.entries(f"{name}/arrivals") if P.valid_name(i)]
             if len(arrived) > count:
                 raise BarrierOverflow(f"barrier {name!r}: {len(arrived)} arrivals for {count}")
-            if len(arrived) == count:
-                self.set_once(done_key, P.SEP.join(arrived))
+            if len(arrived) == count and self.set_once(done_key, P.SEP.join(arrived))[0]:
+                self.wake_waiters()
         try:
             published = self.wait_for_key(done_key, timeout, poll_limit, on_wait, sealed=True)
             return P.split_identities(published)
@@ -621,24 +728,27 @@ class StoreMixin:
         on_wait: Callable[[], None] | None = None,
         sealed: bool = False,
     ) -> str:
-        """Polls until ``key`` exists and returns its value (``sealed``: until it holds an
-        authentic record, and returns the first one)."""
+        """Blocks until ``key`` exists and returns its value (``sealed``: until it holds an
+        authentic record, and returns the first one). The key's writer wakes the
+        waiters (:meth:`wake_waiters`); ``on_wait`` runs between waits."""
         deadline = time.monotonic() + timeout.total_seconds()
-        poller = Poller(poll_limit)
+        seq = self.wake_sequence()
         while True:
-            if self.check([key]):
+            raw = self.get_or(key, _ABSENT)
+            if raw != _ABSENT:
                 if not sealed:
-                    return _to_str(self.get(key))
-                published = P.first_or_none(self.decode_entries(key, self.get(key)))
+                    return raw
+                published = P.first_or_none(self.decode_entries(key, raw))
                 if published is not None:
                     return published
-            if time.monotonic() >= deadline:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
                 raise RestartTimeoutError(
                     f"key {key!r} did not appear within {timeout.total_seconds():.3g}s"
                 )
+            seq = self.wait_for_wake_up(seq, min(WAIT_CHUNK, remaining))
             if on_wait is not None:
                 on_wait()
-            poller.sleep(deadline)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,7 +40,7 @@ import types
 import typing
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from . import generation as _gen
@@ -67,7 +67,7 @@ from .health_check.restart import (
     ChainedNVLHealthCheck,
 )
 from .initialize import Initialize
-from .monitor_process import MonitorConfig, MonitorProcess
+from .monitor_process import WATCHED_PEERS, MonitorConfig, MonitorProcess
 from .monitor_thread import InterruptSignal, MonitorThread, RankShouldRestart
 from .progress_watchdog import ProgressBoard, ProgressWatchdog
 from .rank_assignment import RankAssignment, RankDiscarded
@@ -822,17 +822,19 @@ class CallWrapper:
                 value, assigned = self._assign_rank(previous, prev_members, terminated, name)
             planned = assigned.copy()
             participants = [m for m in prev_members if m not in terminated] + joiners
-            decision = protocol.decode_membership(
-                self.store.rendezvous(
-                    name,
-                    self.identity,
-                    participants,
-                    value.encode(),
-                    _td(self._config.barrier_timeout),
-                    functools.partial(_decide_membership, self.store),
-                    self._restart_poll,
-                )
+            published = self.store.rendezvous(
+                name,
+                self.identity,
+                participants,
+                value.encode(),
+                _td(self._config.barrier_timeout),
+                functools.partial(_decide_membership, self.store, participants),
+                self._restart_poll,
             )
+            try:
+                decision = protocol.decode_membership(published, participants)
+            except protocol.MembershipMismatch as ex:
+                raise InternalError(f"iteration {iteration}: {ex}") from None
             if isinstance(decision, protocol.Failed):
                 raise InternalError(f"iteration {iteration}: {decision.error}")
             if isinstance(decision, protocol.Retry):
@@ -859,6 +861,11 @@ class CallWrapper:
                 s.apply_active_world_size()
             if s.rank == 0:
                 self.store.publish_membership(iteration, members)
+            self.store.publish_peers(
+                self.identity,
+                iteration,
+                protocol.ring_successors(members, self.identity, WATCHED_PEERS),
+            )
             log.info(
                 "%s: iteration %d rank %d/%d (%s)",
                 self.identity,
@@ -1259,12 +1266,14 @@ def _is_torch_excepthook(hook: Any) -> bool:
 
 def _decide_membership(
     store: StoreMixin,
+    participants: Sequence[str],
     arrivals: dict[str, str],
     terminated: set[str],
     baseline: int,
 ) -> str:
     """The iteration barrier's decider: reads the call's joins, then decides
-    (:func:`inprocess.protocol.decide_membership`)."""
+    (:func:`inprocess.protocol.decide_membership`), published as a change to
+    ``participants``."""
     gone = store.terminated() | store.left()
     parsed = {identity: protocol.Arrival.parse(v) for identity, v in arrivals.items()}
     decision = protocol.decide_membership(
@@ -1274,7 +1283,7 @@ def _decide_membership(
         store.join_requests(),
         gone,
     )
-    return protocol.encode(decision)
+    return protocol.encode(decision, participants)
 
 
 def _root_cause(store: StoreMixin, baseline: int) -> protocol.RootCause | None:

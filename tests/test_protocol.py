@@ -91,6 +91,57 @@ def test_membership_codec_round_trips(decision):
     assert P.decode_membership(P.encode(decision)) == decision
 
 
+PARTICIPANTS = [f"{r}/0.r{r}" for r in range(300)] + ["5/1.joiner"]
+
+
+def test_a_membership_is_published_as_its_change_to_the_participants():
+    """Issue 24: what every rank reads does not grow with N (the common case, survivors in
+    order, one joiner, one rank discarded, fits in a fixed size)."""
+    kept = tuple(p for p in PARTICIPANTS if p != "7/0.r7")
+    text = P.encode(P.Members(kept, 4), PARTICIPANTS)
+    assert len(text) < 200 and "0/0.r0" not in text
+    assert P.decode_membership(text, PARTICIPANTS) == P.Members(kept, 4)
+    many = [f"{r}/0.r{r}" for r in range(30000)]
+    assert len(P.encode(P.Members(tuple(many), 0), many)) == len(text) - len('"7/0.r7"')
+
+
+def test_a_reordered_membership_is_published_whole_and_still_checked():
+    reordered = tuple(reversed(PARTICIPANTS))
+    text = P.encode(P.Members(reordered, 1), PARTICIPANTS)
+    assert P.decode_membership(text, PARTICIPANTS) == P.Members(reordered, 1)
+
+
+def test_a_membership_digest_mismatch_is_caught():
+    """A rank whose participants differ from the decider's (its view diverged) never
+    trains on the membership it would derive."""
+    text = P.encode(P.Members(tuple(PARTICIPANTS[1:]), 0), PARTICIPANTS)
+    with pytest.raises(P.MembershipMismatch, match="participants differ"):
+        P.decode_membership(text, PARTICIPANTS[:-1])
+    # the same participants in another order: the base digest tells
+    with pytest.raises(P.MembershipMismatch, match="participants differ"):
+        P.decode_membership(text, list(reversed(PARTICIPANTS)))
+    # a change that does not give the published result (a decider's bug or a torn value)
+    data = __import__("json").loads(text)
+    data["removed"] = []
+    with pytest.raises(P.MembershipMismatch, match="not the decider's"):
+        P.decode_membership(__import__("json").dumps(data), PARTICIPANTS)
+    with pytest.raises(ValueError, match="needs the participants"):
+        P.decode_membership(text)
+
+
+def test_ring_successors_and_the_peers_record():
+    members = ["0/0.a", "1/0.b", "2/0.c"]
+    assert P.ring_successors(members, "2/0.c", 2) == ["0/0.a", "1/0.b"]
+    assert P.ring_successors(members, "1/0.b", 5) == ["2/0.c", "0/0.a"]
+    assert P.ring_successors(members, "9/0.z", 2) == [] == P.ring_successors(["0/0.a"], "0/0.a", 2)
+    store = HashStore()
+    assert store.peers("0/0.a") is None
+    store.publish_peers("0/0.a", 4, ["1/0.b"])
+    assert store.peers("0/0.a") == (4, ["1/0.b"])
+    store.set(f"{P.PEERS}/1/0.b", "garbage")
+    assert store.peers("1/0.b") is None
+
+
 # --------------------------------------------------------------------------- termination
 
 

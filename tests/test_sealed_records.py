@@ -141,8 +141,10 @@ def test_garbage_in_every_protocol_key_is_ignored_and_logged_once(tcp, caplog):
     store.decide_outcome(1, P.COMPLETED)
     store.mark_completed(A, 1)
     store.send_heartbeat(A)
+    store.publish_peers(A, 2, [B])
     keys = [k for k in stranger.list_keys() if not k.endswith("/faults")]
     names = {k.rsplit("/", 1)[-1] for k in keys}
+    assert any("/peers/" in k for k in keys)
     assert {"membership", "fault_log", "terminated", "left", "join_requests", "outcome"} <= names
     assert {"latest_call", "wrapped"} <= names
     before = (
@@ -156,6 +158,7 @@ def test_garbage_in_every_protocol_key_is_ignored_and_logged_once(tcp, caplog):
         store.has_completed(A),
         store.is_terminated(C),
         store.heartbeats([A, B]),
+        store.peers(A),
         P.latest_call(stranger, role),
         P.wrapper_present(stranger, role),
     )
@@ -174,6 +177,7 @@ def test_garbage_in_every_protocol_key_is_ignored_and_logged_once(tcp, caplog):
                 store.has_completed(A),
                 store.is_terminated(C),
                 store.heartbeats([A, B]),
+                store.peers(A),
                 P.latest_call(stranger, role),
                 P.wrapper_present(stranger, role),
             )
