@@ -1,0 +1,201 @@
+"""The restart protocol at a few hundred simulated ranks (issue 24): what a rank reads per
+restart does not grow with N, a rank lost during a barrier ends it at once, a digest
+mismatch is caught.
+
+Simulated ranks are threads with a client connection each to one real ``TCPStore``
+server, running the Wrapper's own code for a restart (as ``benchmarks/restart_scale.py``
+does, which measures the same at thousands of ranks).
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+import types
+from typing import Any
+
+import pytest
+
+from inprocess import Wrapper, records
+from inprocess.exception import InternalError
+from inprocess.monitor_thread import RankShouldRestart
+from inprocess.state import State
+from inprocess.store import PrefixStore, TCPStore, new_identity
+from inprocess.wrap import CallWrapper, _Result
+
+TD = datetime.timedelta(seconds=120)
+NS = "inprocess/scale/call0"
+
+
+class CountingStore(PrefixStore):
+    """A rank's store that counts the bytes its answers carry (what the rank reads)."""
+
+    read_bytes = 0
+
+    def _count(self, value: Any) -> Any:
+        self.read_bytes += len(value) if isinstance(value, bytes | str) else 0
+        return value
+
+    def get(self, key: str) -> Any:
+        return self._count(super().get(key))
+
+    def compare_set(self, key: str, expected: Any, desired: Any) -> Any:
+        return self._count(super().compare_set(key, expected, desired))
+
+    def multi_get(self, keys: list[str]) -> Any:
+        values = super().multi_get(keys)
+        for value in values:
+            self._count(value)
+        return values
+
+
+class Ranks:
+    """``n`` simulated ranks, set up (initial barrier, iteration 0) on one server."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.server = TCPStore(host_name="127.0.0.1", port=0, is_master=True, timeout=TD)
+        self.wrappers: list[CallWrapper] = [None] * n  # type: ignore[list-item]
+        self.current: list[Any] = [None] * n
+        wrapper = Wrapper(abort=None, barrier_timeout=datetime.timedelta(seconds=600))
+
+        def setup(rank: int) -> None:
+            # connected on the ranks' threads: a connection may wait for a name lookup
+            raw = TCPStore(host_name="127.0.0.1", port=self.server.port, is_master=False)
+            cw = CallWrapper(wrapper)
+            cw.state = State(rank=rank, world_size=n)
+            cw.identity = new_identity(rank)
+            cw._records = records.Recorder(None, cw.identity, "", 0)
+            cw.store = CountingStore(NS, raw)
+            self.wrappers[rank] = cw
+            members = cw._initial_barrier()
+            self.current[rank] = cw._iteration_barrier(0, cw._copy_state(), members, set(), [])
+
+        errors = self.each(setup)
+        assert not errors, errors
+
+    def each(self, fn: Any, ranks: Any = None) -> dict[int, BaseException]:
+        """Runs ``fn(rank)`` on a thread per rank; returns what each raised."""
+        errors: dict[int, BaseException] = {}
+
+        def run(rank: int) -> None:
+            try:
+                fn(rank)
+            except BaseException as ex:  # reported to the test
+                errors[rank] = ex
+
+        chosen = range(self.n) if ranks is None else ranks
+        threads = [threading.Thread(target=run, args=(r,)) for r in chosen]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(300)
+        assert not any(t.is_alive() for t in threads)
+        return errors
+
+    def restart(self, rank: int, faulty: int = 1) -> None:
+        """One restart after ``faulty``'s exception, as ``CallWrapper._run`` does it."""
+        cw, current = self.wrappers[rank], self.current[rank]
+        if rank == faulty:
+            ex: BaseException = RuntimeError("injected fault")
+        else:
+            cw.store.decide_outcome(current.index, "fault")  # what its monitor thread does
+            ex = RankShouldRestart()
+        cw._classify_fault(_Result(exception=ex), types.SimpleNamespace(cause="fault"))
+        previous = cw._copy_state()
+        terminated, joiners = cw._termination_barrier(current)
+        self.current[rank] = cw._iteration_barrier(
+            current.index + 1, previous, current.members, terminated, joiners
+        )
+        cw.store.peers(cw.identity)  # what its monitor process reads
+
+    def close(self) -> None:
+        for cw in self.wrappers:
+            if cw is not None:
+                cw.store = None
+        self.wrappers.clear()
+        self.server = None
+
+
+@pytest.fixture
+def ranks():
+    made: list[Ranks] = []
+
+    def make(n: int) -> Ranks:
+        made.append(Ranks(n))
+        return made[-1]
+
+    yield make
+    for r in made:
+        r.close()
+    made.clear()
+
+
+def _read_per_rank(group: Ranks) -> float:
+    before = [cw.store.read_bytes for cw in group.wrappers]
+    errors = group.each(group.restart)
+    assert not errors, errors
+    members = {tuple(c.members) for c in group.current}
+    assert len(members) == 1 and len(next(iter(members))) == group.n
+    reads = [cw.store.read_bytes - b for cw, b in zip(group.wrappers, before, strict=True)]
+    return sorted(reads)[group.n // 2]  # the median rank (the deciders read more)
+
+
+@pytest.mark.timeout(300)
+def test_what_a_rank_reads_per_restart_does_not_grow_with_n(ranks):
+    """At 40 and at 240 ranks the median rank reads the same number of bytes in a restart
+    (before the protocol sent changes it grew with N: the whole membership)."""
+    small = _read_per_rank(ranks(40))
+    large = _read_per_rank(ranks(240))
+    assert large < 1.2 * small, (small, large)
+    assert large < 4000, large
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_lost_during_the_barrier_is_counted_for_it_and_leaves_the_membership(ranks):
+    """Rank 5 never reaches the termination barrier; once it is marked terminated (as its
+    monitor process does) the barrier completes without it, and the next membership has
+    every other rank."""
+    group = ranks(64)
+    lost = group.wrappers[5].identity
+    survivors = [r for r in range(group.n) if r != 5]
+    marked = threading.Event()
+
+    def mark_later() -> None:
+        time.sleep(1.0)  # everyone else is waiting by then (or soon)
+        group.wrappers[0].store.mark_terminated(lost, "process died")
+        marked.set()
+
+    marker = threading.Thread(target=mark_later)
+    marker.start()
+    started = time.monotonic()
+    errors = group.each(group.restart, survivors)
+    marker.join()
+    assert not errors, errors
+    assert marked.is_set() and time.monotonic() - started < 60
+    members = {tuple(group.current[r].members) for r in survivors}
+    assert len(members) == 1
+    (only,) = members
+    assert lost not in only and len(only) == group.n - 1
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_whose_view_of_the_membership_differs_is_caught_by_the_digest(ranks):
+    """Two ranks hold the previous membership in different orders: the decider publishes
+    the change to its own view; the other rank's digest check refuses to train on it."""
+    group = ranks(2)
+    previous = [cw._copy_state() for cw in group.wrappers]
+    members = list(group.current[0].members)
+    views = {0: members, 1: list(reversed(members))}
+    decided: dict[int, Any] = {}
+
+    def iterate(rank: int) -> None:
+        decided[rank] = group.wrappers[rank]._iteration_barrier(
+            1, previous[rank], views[rank], set(), []
+        )
+
+    errors = group.each(iterate)
+    assert len(errors) == 1, (errors, decided)
+    (error,) = errors.values()
+    assert isinstance(error, InternalError) and "participants differ" in str(error)
