@@ -52,7 +52,7 @@ Rendezvous
     so completion needs no one to read everyone's arrivals but the one that
     completes it. Waiters block on the store until the call's next wake-up (a
     decision published, a death listed: :meth:`StoreMixin.wake_waiters`), no
-    polling, in chunks of :data:`WAIT_CHUNK` at most.
+    polling, in chunks of :data:`WAIT_CHUNK` growing to :data:`WAIT_CHUNK_MAX`.
 """
 
 from __future__ import annotations
@@ -78,12 +78,19 @@ log = logging.getLogger(__name__)
 
 #: seconds a decider waits for the listed deaths of its rendezvous to be counted
 COUNTED_WAIT = 1.0
-#: longest single store wait of a rank blocked at a rendezvous or barrier. Waiters are
-#: woken by the store when what they wait for changes (:meth:`StoreMixin.wake_waiters`);
-#: the chunk only bounds a wake-up that a stranger forged or a dying writer lost, and
-#: how long the thread stays in native code (signals, ``on_wait``). torch logs a
-#: warning for every wait that times out, so it is not short.
+#: first and longest single store wait of a rank blocked at a rendezvous or barrier.
+#: Waiters are woken by the store when what they wait for changes
+#: (:meth:`StoreMixin.wake_waiters`); a chunk only bounds a wake-up that a stranger
+#: forged or a dying writer lost, and how long the thread stays in native code
+#: (signals, ``on_wait``). torch logs a warning for every wait that times out, so
+#: chunks start at 2 s and double (a rank early at the initial barrier, waiting for
+#: slow starters, logs a few lines, not one every 2 s).
 WAIT_CHUNK = 2.0
+WAIT_CHUNK_MAX = 30.0
+
+
+def _next_chunk(chunk: float) -> float:
+    return min(chunk * 2, WAIT_CHUNK_MAX)
 
 #: environment variable naming a store hosted outside the workers (torchrun's convention)
 AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
@@ -519,6 +526,7 @@ class StoreMixin:
         seq = self.wake_sequence()  # read before looking: no wake-up after the look is missed
         seen_epoch = -1
         counted: set[str] = set()
+        chunk = WAIT_CHUNK
         while not complete:
             # None: not decided yet, or only a stranger's garbage there
             published = P.first_or_none(self.entries(done_key))
@@ -536,7 +544,8 @@ class StoreMixin:
                     f"rendezvous {name!r} timed out after {timeout.total_seconds():.3g}s "
                     f"({self.counter(f'{name}/count')}/{len(members)} arrived)"
                 )
-            seq = self.wait_for_wake_up(seq, min(WAIT_CHUNK, remaining))
+            seq = self.wait_for_wake_up(seq, min(chunk, remaining))
+            chunk = _next_chunk(chunk)
             if on_wait is not None:
                 on_wait()
         decision = self._decide(name, members, decide)
@@ -558,7 +567,7 @@ class StoreMixin:
         the sequence as ``s`` *before* looking at what it waits for blocks on
         ``wake/<s+1>``, which the first wake-up after its look sets: none is
         missed. A stranger's add to the sequence can only make a waiter sleep
-        to the end of its chunk (:data:`WAIT_CHUNK`) before it looks again.
+        to the end of its chunk (:data:`WAIT_CHUNK` and up) before it looks again.
         """
         k = int(self.add(P.WAKE_SEQ, 1))
         self.set(P.wake_key(k), "1")
@@ -733,6 +742,7 @@ class StoreMixin:
         waiters (:meth:`wake_waiters`); ``on_wait`` runs between waits."""
         deadline = time.monotonic() + timeout.total_seconds()
         seq = self.wake_sequence()
+        chunk = WAIT_CHUNK
         while True:
             raw = self.get_or(key, _ABSENT)
             if raw != _ABSENT:
@@ -746,7 +756,8 @@ class StoreMixin:
                 raise RestartTimeoutError(
                     f"key {key!r} did not appear within {timeout.total_seconds():.3g}s"
                 )
-            seq = self.wait_for_wake_up(seq, min(WAIT_CHUNK, remaining))
+            seq = self.wait_for_wake_up(seq, min(chunk, remaining))
+            chunk = _next_chunk(chunk)
             if on_wait is not None:
                 on_wait()
 
