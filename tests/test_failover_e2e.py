@@ -213,18 +213,7 @@ def test_worker_sigkill_relaunch_and_rejoin(tmp_path):
         # that the abort does not fail, ended by the bounded unwind and relaunched.
         # That one must say so in the log; it is reported, not hidden.
         restarted = {e["rank"] for e in events if e["rank"] in survivors and e["incarnation"]}
-        log_text = Path(launch.log.name).read_text(errors="replace")
-        stuck = {
-            r
-            for r in restarted
-            if re.search(rf"rank {r}/0\.\S+: stuck in native code after the abort", log_text)
-        }
-        if stuck:
-            warnings.warn(
-                f"survivor(s) {sorted(stuck)} stuck in native code after the abort were "
-                "relaunched (the README's known gloo limitation)",
-                stacklevel=1,
-            )
+        stuck = stuck_after_the_abort(launch, restarted)
         assert restarted == stuck, (
             [e for e in events if e["rank"] in survivors and e["incarnation"] != 0],
             launch.state()["events"],
@@ -259,6 +248,24 @@ def test_controller_sigkill_is_recovered(tmp_path):
         assert any("SIGKILL" in e["message"] for e in state["events"]), state["events"]
 
 
+def stuck_after_the_abort(launch: Launch, ranks) -> set[int]:
+    """Which of ``ranks`` the bounded unwind ended as stuck in native code after the
+    abort, per the launcher's log: the README's known gloo limitation (a send the
+    abort does not fail), seen in about one test of a suite run. Such a rank is
+    relaunched like a killed one; tests accept it only when the log says so, and
+    report it as a warning."""
+    text = Path(launch.log.name).read_text(errors="replace")
+    pattern = r"rank {}/\d+\.\S+: stuck in native code after the abort"
+    stuck = {r for r in ranks if re.search(pattern.format(r), text)}
+    if stuck:
+        warnings.warn(
+            f"rank(s) {sorted(stuck)} stuck in native code after the abort were relaunched "
+            "(the README's known gloo limitation)",
+            stacklevel=2,
+        )
+    return stuck
+
+
 @pytest.mark.timeout(300)
 def test_failing_node_is_relaunched_on_a_spare_slot(tmp_path):
     with Launch(
@@ -287,8 +294,9 @@ def test_failing_node_is_relaunched_on_a_spare_slot(tmp_path):
         assert state["node_slots"]["1"] == 2  # node 1 (workers 2, 3) moved to the spare slot
         assert state["removed_slots"] == [1]
         assert state["workers"]["3"]["slot"] == 2 and state["workers"]["3"]["incarnation"] >= 1
-        # the healthy worker moved with its node: that stop was not counted as its failure
-        assert state["worker_restarts"]["3"] == 0
+        # the healthy worker moved with its node: that stop was not counted as its
+        # failure (unless the bounded unwind ended it first: see stuck_after_the_abort)
+        assert state["worker_restarts"]["3"] == len(stuck_after_the_abort(launch, [3]))
         assert state["worker_restarts"]["2"] == 3
 
 
