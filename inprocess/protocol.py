@@ -10,7 +10,8 @@ Key schema
     counting the process's calls (every rank of a job makes the same sequence
     of calls). Inside a call namespace: the fault counter and log, the
     terminated and left lists (identities each followed by :data:`SEP`), join
-    requests, heartbeats, the published membership, and per iteration ``n`` the
+    requests, heartbeats, the published membership, each rank's watched
+    ``peers``, the wake-up sequence and its ``wake/<k>`` keys, and per iteration ``n`` the
     keys under ``iter/<n>/`` (barrier attempts, termination, completion,
     outcome, exit count, the user's ``env://`` rendezvous, the survivors'
     restart ``phases`` for the restart records of :mod:`inprocess.records`). The role namespace
@@ -25,7 +26,10 @@ Decisions
     per-rank values), and the pure functions that make them
     (:func:`decide_membership`, :func:`decide_termination`,
     :func:`completion_outcome`, :func:`admitted`). They need no store and no
-    process, so they are unit-tested alone.
+    process, so they are unit-tested alone. A membership is published as its
+    change to the participants every rank holds, with digests each rank
+    checks (:func:`encode`, :func:`decode_membership`): what a rank reads per
+    restart does not grow with the job.
 
 Read API
     What a job controller reads of a running Wrapper job, over any
