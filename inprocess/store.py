@@ -527,6 +527,7 @@ class StoreMixin:
         seen_epoch = -1
         counted: set[str] = set()
         chunk = WAIT_CHUNK
+        idle = False
         while not complete:
             # None: not decided yet, or only a stranger's garbage there
             published = P.first_or_none(self.entries(done_key))
@@ -534,7 +535,7 @@ class StoreMixin:
                 return published
             epoch = self.terminated_epoch()
             if epoch != seen_epoch:
-                seen_epoch = epoch
+                seen_epoch, idle = epoch, False
                 complete = self._count_the_dead(name, members, counted, epoch)
                 if complete:
                     break
@@ -544,7 +545,9 @@ class StoreMixin:
                     f"rendezvous {name!r} timed out after {timeout.total_seconds():.3g}s "
                     f"({self.counter(f'{name}/count')}/{len(members)} arrived)"
                 )
-            seq = self.wait_for_wake_up(seq, min(chunk, remaining))
+            woken = self.wait_for_wake_up(seq, min(chunk, remaining), idle, poll_limit)
+            # the next look finds nothing new: this wake-up was idle
+            idle, seq = woken == seq + 1, woken
             chunk = _next_chunk(chunk)
             if on_wait is not None:
                 on_wait()
@@ -572,9 +575,16 @@ class StoreMixin:
         k = int(self.add(P.WAKE_SEQ, 1))
         self.set(P.wake_key(k), "1")
 
-    def wait_for_wake_up(self, seq: int, seconds: float) -> int:
+    def wait_for_wake_up(self, seq: int, seconds: float, idle: bool, pause: float) -> int:
         """Blocks until the wake-up after ``seq`` or for ``seconds``; returns the sequence
-        number to wait after next."""
+        number to wait after next.
+
+        ``idle``: the caller's last wake-up changed nothing it waits for (a wake-up
+        of another barrier, or a stranger who set wake-up keys ahead): it pauses
+        ``pause`` seconds first, so forged keys cannot make waiters spin.
+        """
+        if idle:
+            time.sleep(pause)
         if self.wait_for(P.wake_key(seq + 1), seconds):
             return seq + 1
         return self.wake_sequence()  # a forged or lost wake-up: go on from the newest
@@ -743,6 +753,7 @@ class StoreMixin:
         deadline = time.monotonic() + timeout.total_seconds()
         seq = self.wake_sequence()
         chunk = WAIT_CHUNK
+        idle = False
         while True:
             raw = self.get_or(key, _ABSENT)
             if raw != _ABSENT:
@@ -756,7 +767,8 @@ class StoreMixin:
                 raise RestartTimeoutError(
                     f"key {key!r} did not appear within {timeout.total_seconds():.3g}s"
                 )
-            seq = self.wait_for_wake_up(seq, min(chunk, remaining))
+            woken = self.wait_for_wake_up(seq, min(chunk, remaining), idle, poll_limit)
+            idle, seq = woken == seq + 1, woken
             chunk = _next_chunk(chunk)
             if on_wait is not None:
                 on_wait()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import logging
 import threading
+import time
 
 import pytest
 import torch.distributed as dist
@@ -331,6 +332,52 @@ def test_deleted_arrivals_end_a_rendezvous_at_its_timeout():
     first.join(30)
     assert set(errors) == {A, B}
     assert all(isinstance(e, BarrierTimeout) for e in errors.values()), errors
+
+
+def test_forged_wake_ups_neither_decide_nor_make_waiters_spin(tcp):
+    """A stranger sets the call's next 500 wake-up keys and raises the wake-up counter:
+    every wait then returns at once, but a waiter that finds nothing new pauses before
+    the next, so it stays a few store operations per poll interval, not a busy loop; the
+    rendezvous still waits for its last member and decides once."""
+    store, stranger = tcp
+    ns = "inprocess/job/g0/call0"
+    for k in range(1, 501):
+        stranger.set(f"{ns}/{P.wake_key(k)}", "forged")
+    stranger.add(f"{ns}/{P.WAKE_SEQ}", 3)
+    port = store.base_store.port
+    waits: list[float] = []
+    clients = []
+
+    class Counting(PrefixStore):
+        def wait_for(self, key: str, seconds: float) -> bool:
+            waits.append(time.monotonic())
+            return super().wait_for(key, seconds)
+
+    def client(identity):
+        raw = WrapperTCPStore.client(host_name="127.0.0.1", port=port, timeout=TD)
+        clients.append(raw)
+        return (Counting if identity == A else PrefixStore)(ns, raw)
+
+    results: dict[str, str] = {}
+
+    def arrive(identity: str, after: float) -> None:
+        time.sleep(after)
+        results[identity] = client(identity).rendezvous(
+            "rdzv", identity, [A, B], "v", TD, lambda a, t, b: ",".join(sorted(a)), 0.02
+        )
+
+    threads = [
+        threading.Thread(target=arrive, args=(A, 0.0)),
+        threading.Thread(target=arrive, args=(B, 1.0)),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert results == {A: f"{A},{B}", B: f"{A},{B}"}
+    # about 1 s of waiting for B at a 0.02 s pause: at most ~50 waits, never thousands
+    assert 2 <= len(waits) <= 80, len(waits)
+    clients.clear()
 
 
 def test_a_non_number_in_a_counter_is_a_store_error_not_a_hang(tcp):
