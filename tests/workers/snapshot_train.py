@@ -140,6 +140,10 @@ def train(call_wrapper: inprocess.CallWrapper = None) -> dict[str, Any]:
                 call_wrapper.ping()
                 time.sleep(0.05)
         if kind == "corrupt":
+            # the last commit's copy may still be in flight on its thread: land it
+            # first, so the byte flipped is in the snapshot a restore will pick
+            for slot in call_wrapper._snapshots.own.slots:
+                slot.wait()
             newest = call_wrapper._snapshots.own.held()[0]
             newest.data[0] ^= 0xFF
             raise RuntimeError("injected fault after corrupting the snapshot")
