@@ -501,18 +501,26 @@ class Membership:
     @classmethod
     def parse(cls, text: str | None, key: str = MEMBERSHIP) -> Membership | None:
         """Like :meth:`decode`; ``None`` when absent or malformed (logged once for ``key``)."""
-        if text is None:
-            return None
-        try:
-            published = cls.decode(text)
-        except (ValueError, KeyError, TypeError):
-            published = None
-        if published is None or not all(
-            isinstance(m, str) and valid_identity(m) for m in published.members
-        ):
-            reject(key, "a malformed membership")
-            return None
-        return published
+        parsed = _iteration_identities(text, "members", key, "a malformed membership")
+        return None if parsed is None else cls(*parsed)
+
+
+def _iteration_identities(
+    text: str | None, field: str, key: str, what: str
+) -> tuple[int, tuple[str, ...]] | None:
+    """``(iteration, identities)`` of a record ``{"iteration": n, field: [...]}``;
+    ``None`` when absent or malformed (logged once for ``key`` as ``what``)."""
+    if text is None:
+        return None
+    try:
+        data = json.loads(text)
+        iteration, names = int(data["iteration"]), tuple(data[field])
+    except (ValueError, KeyError, TypeError):
+        names = None
+    if names is None or not all(isinstance(n, str) and valid_identity(n) for n in names):
+        reject(key, what)
+        return None
+    return iteration, names
 
 
 def ring_successors(members: Sequence[str], identity: str, count: int) -> list[str]:
@@ -538,19 +546,8 @@ class Peers:
     @classmethod
     def parse(cls, text: str | None, key: str = PEERS) -> Peers | None:
         """``None`` when absent or malformed (logged once for ``key``)."""
-        if text is None:
-            return None
-        try:
-            data = json.loads(text)
-            published = cls(int(data["iteration"]), tuple(data["peers"]))
-        except (ValueError, KeyError, TypeError):
-            published = None
-        if published is None or not all(
-            isinstance(p, str) and valid_identity(p) for p in published.peers
-        ):
-            reject(key, "malformed peers")
-            return None
-        return published
+        parsed = _iteration_identities(text, "peers", key, "malformed peers")
+        return None if parsed is None else cls(*parsed)
 
 
 def _records(store: Any, key: str) -> list[str]:

@@ -89,8 +89,39 @@ WAIT_CHUNK = 2.0
 WAIT_CHUNK_MAX = 30.0
 
 
-def _next_chunk(chunk: float) -> float:
-    return min(chunk * 2, WAIT_CHUNK_MAX)
+class _WakeWait:
+    """One rank's wait at a barrier of ``store``: blocks until the call's next wake-up.
+
+    Created *before* the first look at what the rank waits for (it reads the
+    wake-up sequence then, see :meth:`StoreMixin.wake_waiters`). Each
+    :meth:`wait` blocks at most a chunk (2 s, doubling to 30 s); after a
+    wake-up that changed nothing for this rank (``idle``, until the caller
+    says otherwise) the next wait pauses ``pause`` seconds first, so forged
+    wake-up keys cannot make it spin.
+    """
+
+    def __init__(self, store: StoreMixin, timeout: datetime.timedelta, pause: float) -> None:
+        self.store, self.pause = store, pause
+        self.deadline = time.monotonic() + timeout.total_seconds()
+        self.seq = store.wake_sequence()
+        self.chunk = WAIT_CHUNK
+        self.idle = False
+
+    def remaining(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def wait(self) -> None:
+        if self.idle:
+            time.sleep(self.pause)
+        seconds = min(self.chunk, max(self.remaining(), 0.0))
+        self.chunk = min(self.chunk * 2, WAIT_CHUNK_MAX)
+        if self.store.wait_for(P.wake_key(self.seq + 1), seconds):
+            self.seq += 1
+            self.idle = True  # until the caller's next look finds something new
+        else:
+            # a forged or lost wake-up: go on from the newest
+            self.seq, self.idle = self.store.wake_sequence(), False
+
 
 #: environment variable naming a store hosted outside the workers (torchrun's convention)
 AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
@@ -522,12 +553,9 @@ class StoreMixin:
         # rendezvous on arrivals and deaths alone, and only a rank that raises
         # the counter to the number of members reads the arrivals list.
         complete = self._arrive(name, identity, value, members)
-        deadline = time.monotonic() + timeout.total_seconds()
-        seq = self.wake_sequence()  # read before looking: no wake-up after the look is missed
+        waiter = _WakeWait(self, timeout, poll_limit)  # before looking: no wake-up is missed
         seen_epoch = -1
         counted: set[str] = set()
-        chunk = WAIT_CHUNK
-        idle = False
         while not complete:
             # None: not decided yet, or only a stranger's garbage there
             published = P.first_or_none(self.entries(done_key))
@@ -535,20 +563,16 @@ class StoreMixin:
                 return published
             epoch = self.terminated_epoch()
             if epoch != seen_epoch:
-                seen_epoch, idle = epoch, False
+                seen_epoch, waiter.idle = epoch, False
                 complete = self._count_the_dead(name, members, counted, epoch)
                 if complete:
                     break
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            if waiter.remaining() <= 0:
                 raise BarrierTimeout(
                     f"rendezvous {name!r} timed out after {timeout.total_seconds():.3g}s "
                     f"({self.counter(f'{name}/count')}/{len(members)} arrived)"
                 )
-            woken = self.wait_for_wake_up(seq, min(chunk, remaining), idle, poll_limit)
-            # the next look finds nothing new: this wake-up was idle
-            idle, seq = woken == seq + 1, woken
-            chunk = _next_chunk(chunk)
+            waiter.wait()
             if on_wait is not None:
                 on_wait()
         decision = self._decide(name, members, decide)
@@ -569,25 +593,12 @@ class StoreMixin:
         Invariant: the k-th wake-up sets key ``wake/<k>``. A waiter that read
         the sequence as ``s`` *before* looking at what it waits for blocks on
         ``wake/<s+1>``, which the first wake-up after its look sets: none is
-        missed. A stranger's add to the sequence can only make a waiter sleep
-        to the end of its chunk (:data:`WAIT_CHUNK` and up) before it looks again.
+        missed (:class:`_WakeWait`). A stranger's add to the sequence can only
+        make a waiter sleep to the end of its chunk (:data:`WAIT_CHUNK` and up)
+        before it looks again.
         """
         k = int(self.add(P.WAKE_SEQ, 1))
         self.set(P.wake_key(k), "1")
-
-    def wait_for_wake_up(self, seq: int, seconds: float, idle: bool, pause: float) -> int:
-        """Blocks until the wake-up after ``seq`` or for ``seconds``; returns the sequence
-        number to wait after next.
-
-        ``idle``: the caller's last wake-up changed nothing it waits for (a wake-up
-        of another barrier, or a stranger who set wake-up keys ahead): it pauses
-        ``pause`` seconds first, so forged keys cannot make waiters spin.
-        """
-        if idle:
-            time.sleep(pause)
-        if self.wait_for(P.wake_key(seq + 1), seconds):
-            return seq + 1
-        return self.wake_sequence()  # a forged or lost wake-up: go on from the newest
 
     def wait_for(self, key: str, seconds: float) -> bool:
         """Blocks until ``key`` exists or ``seconds`` passed; returns whether it exists.
@@ -750,10 +761,7 @@ class StoreMixin:
         """Blocks until ``key`` exists and returns its value (``sealed``: until it holds an
         authentic record, and returns the first one). The key's writer wakes the
         waiters (:meth:`wake_waiters`); ``on_wait`` runs between waits."""
-        deadline = time.monotonic() + timeout.total_seconds()
-        seq = self.wake_sequence()
-        chunk = WAIT_CHUNK
-        idle = False
+        waiter = _WakeWait(self, timeout, poll_limit)
         while True:
             raw = self.get_or(key, _ABSENT)
             if raw != _ABSENT:
@@ -762,14 +770,11 @@ class StoreMixin:
                 published = P.first_or_none(self.decode_entries(key, raw))
                 if published is not None:
                     return published
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            if waiter.remaining() <= 0:
                 raise RestartTimeoutError(
                     f"key {key!r} did not appear within {timeout.total_seconds():.3g}s"
                 )
-            woken = self.wait_for_wake_up(seq, min(chunk, remaining), idle, poll_limit)
-            idle, seq = woken == seq + 1, woken
-            chunk = _next_chunk(chunk)
+            waiter.wait()
             if on_wait is not None:
                 on_wait()
 
