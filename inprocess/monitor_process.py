@@ -382,6 +382,8 @@ class _Guardian:
         #: (unwind start seen, last time the thread was seen busy, its CPU ticks then)
         self.unwind: tuple[float, float, int] | None = None
         self.stuck_reason: str | None = None
+        #: where the main thread was when the hard timeout struck (for the report)
+        self.hard_timeout_where = ""
 
     def connect(self) -> None:
         from .store import PrefixStore
@@ -432,6 +434,7 @@ class _Guardian:
         elif self.kill_started is not None:
             reason = (
                 f"killed by the hard timeout ({self.config.hard_timeout:.3g}s without progress)"
+                f"{self.hard_timeout_where}"
             )
         else:
             reason = "process died"
@@ -467,7 +470,7 @@ class _Guardian:
         idle = now - max(started, busy_at)
         if idle < self.config.unwind_timeout:
             return
-        where = _thread_location(self.task_dir)
+        where = _thread_location(self.task_dir, self.board.phase())
         self.stuck_reason = (
             f"stuck in native code after the abort{where}, ended after {now - started:.1f}s"
         )
@@ -492,13 +495,16 @@ class _Guardian:
             stalled = now - self.board.last_progress()
             if stalled <= self.config.hard_timeout:
                 return
+            where = _thread_location(self.task_dir, self.board.phase())
             log.warning(
                 "rank %s made no progress in the wrapped function for %.2fs (restarts do "
-                "not reset this clock): terminating process %d",
+                "not reset this clock)%s: terminating process %d",
                 self.config.identity,
                 stalled,
+                where,
                 pid,
             )
+            self.hard_timeout_where = where
             self.kill_started = now
             _send(pid, signal.SIGCONT, signal.SIGTERM)
         elif (
@@ -561,9 +567,10 @@ def _thread_activity(task_dir: str) -> tuple[bool, int]:
         return False, 0
 
 
-def _thread_location(task_dir: str) -> str:
-    """Where the thread waits, as far as /proc tells cheaply (may be restricted)."""
-    parts = []
+def _thread_location(task_dir: str, phase: str | None = None) -> str:
+    """Where the thread waits (the Wrapper's ``phase``, then what /proc tells
+    cheaply: it may be restricted), as a parenthesized suffix."""
+    parts = [f"in {phase}"] if phase else []
     with contextlib.suppress(OSError, ValueError, IndexError):
         with open(f"{task_dir}/syscall") as f:
             first = f.read().split()[0]

@@ -79,21 +79,38 @@ def _pending_call_ran() -> bool:
     return _libc.sem_trywait(_SEMAPHORE) == 0
 
 
+#: where a rank's Wrapper can be, as its board tells the monitor process
+PHASES = (
+    "starting",
+    "rank_assignment",
+    "function",
+    "completion_barrier",
+    "abort",
+    "finalize",
+    "health_check",
+    "termination_barrier",
+    "release",
+    "finished",
+)
+
+
 class ProgressBoard:
     """Shared memory between a rank and its monitor process (``CLOCK_MONOTONIC`` times).
 
-    Five aligned 8-byte words: auto timestamp (the hard clock's reference: the
+    Aligned 8-byte words: auto timestamp (the hard clock's reference: the
     rank has made no progress for ``now - auto``), manual timestamp (doubles),
-    manual active, iteration, finished flag (int64). Each is written with one
+    manual active, iteration, finished flag (int64), the bounded-unwind clock
+    (double) and where the Wrapper is (:data:`PHASES`, int64: what a monitor
+    process that ends the rank says it was doing). Each is written with one
     8-byte store through a typed memoryview, so a reader in the other process
     never sees a torn or half-written value. (``struct.pack_into`` is not safe
     here: it clears its target before writing it, and a reader can see the
     zeros; they once read as "no progress since boot" and killed a healthy rank.)
     """
 
-    _WORDS = 6
+    _WORDS = 7
     SIZE = _WORDS * 8
-    _AUTO, _MANUAL, _ACTIVE, _ITERATION, _FINISHED, _UNWIND = range(_WORDS)
+    _AUTO, _MANUAL, _ACTIVE, _ITERATION, _FINISHED, _UNWIND, _PHASE = range(_WORDS)
 
     def __init__(self, fd: int | None = None) -> None:
         created = fd is None
@@ -129,6 +146,14 @@ class ProgressBoard:
 
     def write_finished(self) -> None:
         self._ints[self._FINISHED] = 1
+
+    def write_phase(self, phase: str) -> None:
+        """Where the Wrapper is now, one of :data:`PHASES`."""
+        self._ints[self._PHASE] = PHASES.index(phase)
+
+    def phase(self) -> str:
+        index = self._ints[self._PHASE]
+        return PHASES[index] if 0 <= index < len(PHASES) else "unknown"
 
     def read(self) -> tuple[float, float, bool, int, bool]:
         d, i = self._doubles, self._ints

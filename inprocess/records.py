@@ -208,8 +208,10 @@ def faults_of(
     """The faults of one restart from its fault log entries: ``(faults, joined, fault_time)``.
 
     One fault per rank (its first entry), the root cause first (see
-    :func:`inprocess.protocol.root_cause`); errors derived from a peer's fault
-    only when nothing else was recorded. ``joined``: initial ranks that asked to
+    :func:`inprocess.protocol.root_cause`), and the rank's death when it came
+    after a fault of its own (it raised, then was ended stuck in native code
+    while releasing what the fault left: two incidents); errors derived from a
+    peer's fault only when nothing else was recorded. ``joined``: initial ranks that asked to
     join. ``fault_time``: when the root cause was recorded (``None``: no fault).
     """
     from .store import initial_rank_of
@@ -225,12 +227,13 @@ def faults_of(
     # that admits the joiner: the survivors' collectives broke because it was
     # interrupted, not because of a fault.
     faults: list[dict[str, Any]] = []
-    seen: set[str] = set()
+    seen: set[tuple[str, bool]] = set()
     for entry in primary:
         identity, reason = str(entry["rank"]), str(entry["reason"])
-        if identity in seen:
+        died = reason.startswith(protocol.TERMINATED_PREFIX)
+        if (identity, died) in seen or (identity, True) in seen:
             continue
-        seen.add(identity)
+        seen.add((identity, died))
         faults.append(
             {
                 "rank": members.index(identity) if identity in members else None,

@@ -43,6 +43,8 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+import torch.distributed
+
 from . import generation as _gen
 from . import monitor_thread as _mt
 from . import protocol
@@ -538,7 +540,7 @@ class CallWrapper:
         except BaseException as ex:
             # The call owns what it created: the frames of ours that the
             # caller's traceback holds must not keep a store (or its server) alive.
-            _clear_own_frames(ex)
+            _clear_frames(ex, (_PACKAGE_DIR,))
             self._on_terminate(ex)
             raise
 
@@ -561,35 +563,37 @@ class CallWrapper:
 
             records = self._records
             while True:
-                with records.phase("rank_assignment"):
+                with self._phase("rank_assignment"):
                     current = self._iteration_barrier(
                         iteration, previous, prev_members, terminated, joiners
                     )
                 result = self._run_iteration(current, fn, args, kwargs)
                 records.iteration_ended(current, result.completed, self.state)
-                if result.exception is not None:
-                    # Breaks the cycle result -> exception -> traceback -> our frames
-                    # -> result: what the function's frames hold (its aborted process
-                    # group, with a listening socket) goes with the exception, not
-                    # whenever the garbage collector runs.
-                    _clear_own_frames(result.exception)
                 if result.completed:
                     records.completed(current, self.state)
                     self._finish(current)
                     self._on_completion()
                     return result.value if self.state.mode == Mode.ACTIVE else None
                 previous = self._copy_state()
-                with records.phase("abort"):
+                with self._phase("abort"):
                     self._abort()
-                with records.phase("finalize"):
+                with self._phase("finalize"):
                     self._finalize(result.exception)
-                with records.phase("health_check"):
+                with self._phase("health_check"):
                     self._health_check(result.exception)
-                with records.phase("termination_barrier"):
+                with self._phase("termination_barrier"):
                     terminated, joiners = self._termination_barrier(current)
                 records.publish_phases(self.store, terminated)
                 self._log_root_cause(result.exception)
                 prev_members, iteration = current.members, current.index + 1
+
+    @contextlib.contextmanager
+    def _phase(self, name: str) -> Iterator[None]:
+        """One phase of the restart: timed in the records, and named on the board
+        (what the monitor process says the rank was doing if it ends it)."""
+        self._board.write_phase(name)
+        with self._records.phase(name):
+            yield
 
     # ---------------------------------------------------------------- setup / teardown
 
@@ -991,6 +995,7 @@ class CallWrapper:
         ``RankShouldRestart`` anywhere inside it until it is disarmed.
         """
         self._board.write_iteration(current.index)
+        self._board.write_phase("function")
         self._watchdog.resume(current.index)
         monitor = self._monitor
         armed = monitor.arm(current.index, current.baseline, self.state)
@@ -1007,6 +1012,7 @@ class CallWrapper:
                 with self._function_environment(current):
                     outcome.value = fn(*args, **kwargs)
                 self._watchdog.pause_manual()
+            self._board.write_phase("completion_barrier")
             self._completion_barrier(current)
             outcome.completed = True
         except BaseException as ex:
@@ -1020,13 +1026,40 @@ class CallWrapper:
             monitor.disarm()
         except RankShouldRestart:
             monitor.disarm()
-        self._board.write_unwind(0.0)  # back in the Wrapper: the unwind is over
         # Out of the function: the hard clock stands still while this rank only
         # waits for its peers (see inprocess.progress_watchdog).
         self._watchdog.pause()
-        if outcome.completed:
-            return outcome
-        return self._classify_fault(outcome, armed)
+        try:
+            if outcome.completed:
+                return outcome
+            result = self._classify_fault(outcome, armed)  # raises if this rank leaves
+            self._release(result.exception)
+            return result
+        finally:
+            self._board.write_unwind(0.0)  # back in the Wrapper: the unwind is over
+
+    def _release(self, ex: BaseException | None) -> None:
+        """Lets go of what the failed iteration left in the frames of ``ex``'s traceback.
+
+        Those frames hold its aborted process groups and the work objects of
+        their collectives (torch.distributed's own frames: ``group``, ``work``),
+        and the exception lives on in ``State.fn_exception`` into the next
+        iteration. Freeing them runs native destructors that may block for good
+        (a gloo group joins its worker threads, and one left in a send the
+        abort did not fail never returns): they are freed here, on the
+        bounded-unwind clock, so a rank stuck in them is ended after
+        ``unwind_timeout`` like one stuck before it came back, not by its hard
+        timeout at some later fault, while its peers wait.
+
+        Only our frames and torch.distributed's are cleared: the caller's and
+        the wrapped function's stay intact for post-mortem debugging.
+        """
+        if ex is None:
+            return
+        self._board.write_phase("release")
+        if not self._board.unwind_started():  # a fault the monitor thread did not interrupt
+            self._board.write_unwind(time.monotonic())
+        _clear_frames(ex, (_PACKAGE_DIR, _TORCH_DISTRIBUTED_DIR))
 
     def _classify_fault(self, outcome: _Result, armed: _mt.Armed) -> _Result:
         ex = outcome.exception
@@ -1301,13 +1334,18 @@ def _root_cause(store: StoreMixin, baseline: int) -> protocol.RootCause | None:
     return protocol.root_cause(entries)
 
 
-def _clear_own_frames(ex: BaseException) -> None:
-    """Clears the locals of this package's finished frames in ``ex``'s tracebacks.
+#: frames whose locals a restart clears (see CallWrapper._release)
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_TORCH_DISTRIBUTED_DIR = os.path.dirname(os.path.abspath(torch.distributed.__file__)) + os.sep
 
-    Only our own frames: the caller's and the wrapped function's stay intact
-    for post-mortem debugging. Chained exceptions are followed too.
+
+def _clear_frames(ex: BaseException, prefixes: tuple[str, ...]) -> None:
+    """Clears the locals of the finished frames of ``ex``'s tracebacks (chained
+    exceptions too) whose code lives under one of ``prefixes``.
+
+    Also breaks the cycle result -> exception -> traceback -> our frames ->
+    result, so what they hold goes now, not whenever the garbage collector runs.
     """
-    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
     seen: set[int] = set()
     pending: list[BaseException | None] = [ex]
     while pending:
@@ -1318,7 +1356,7 @@ def _clear_own_frames(ex: BaseException) -> None:
         tb = current.__traceback__
         while tb is not None:
             frame = tb.tb_frame
-            if frame.f_code.co_filename.startswith(package):
+            if frame.f_code.co_filename.startswith(prefixes):
                 with contextlib.suppress(RuntimeError):  # still executing
                     frame.clear()
             tb = tb.tb_next

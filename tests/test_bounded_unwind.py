@@ -32,25 +32,29 @@ WRAPPER = {
 RAISER, STUCK = 1, 2
 
 
-def _faults(stuck_kind: str) -> list[dict]:
+def _faults(stuck_kind: str, raiser: int | None = RAISER) -> list[dict]:
+    stuck = {"iteration": 0, "rank": STUCK, "step": 3, "kind": stuck_kind, "others": "allreduce"}
+    if raiser is None:
+        return [stuck]
     return [
-        {"iteration": 0, "rank": RAISER, "step": 3, "kind": "raise", "others": "allreduce"},
-        {"iteration": 0, "rank": STUCK, "step": 3, "kind": stuck_kind, "others": "allreduce"},
+        {"iteration": 0, "rank": raiser, "step": 3, "kind": "raise", "others": "allreduce"},
+        stuck,
     ]
 
 
-def _run(tmp_path, stuck_kind: str, **kw):
+def _run(tmp_path, stuck_kind: str, raiser: int | None = RAISER, **kw):
     spec = {
         "wrapper": dict(WRAPPER),
         "steps": 8,
         "steps_after_restart": 4,
-        "faults": _faults(stuck_kind),
+        "faults": _faults(stuck_kind, raiser),
         **kw,
     }
     env = {"INPROCESS_RECORDS": str(tmp_path / "restarts.jsonl")}
     with Job("scenario.py", WORLD, tmp_path, spec, env=env) as job:
         result = job.wait(120)
-    fault_time = json.loads((tmp_path / f"fault{RAISER}.json").read_text())["time"]
+    first = RAISER if raiser is not None else STUCK
+    fault_time = json.loads((tmp_path / f"fault{first}.json").read_text())["time"]
     return result, fault_time
 
 
@@ -91,6 +95,30 @@ def test_stuck_rank_is_dropped_well_before_the_hard_timeout(tmp_path):
     delays = ready_after(result, fault_time)
     assert set(delays) == set(survivors), delays
     # ended after UNWIND: well before the hard timeout (generous on a loaded machine)
+    assert max(delays.values()) < HARD / 2, delays
+    assert not result.leftovers
+
+
+@pytest.mark.timeout(180)
+def test_rank_stuck_freeing_what_its_fault_left_is_dropped(tmp_path):
+    """Rank 2's fault leaves, in torch.distributed's frames of its traceback, an
+    object whose destructor never returns (as a gloo group whose worker thread
+    is left in a send does). The Wrapper frees those frames right after the
+    fault, on the bounded-unwind clock: rank 2 is ended after the unwind
+    timeout, named as stuck while releasing, and the others go on at 3. (Kept
+    alive in ``State.fn_exception``, the object would be freed at some later
+    fault, and its rank would wait there for its hard timeout.)"""
+    result, fault_time = _run(tmp_path, "stuck_when_freed", raiser=None)
+    survivors = [r for r in range(WORLD) if r != STUCK]
+    for rank in survivors:
+        assert result.ranks[rank].returncode == 0, result.describe()
+        returned = result.report(rank)["returned"]
+        assert returned["world"] == 3 and returned["sum"] == 6, result.describe()
+    assert result.ranks[STUCK].returncode == -signal.SIGKILL, result.describe()
+    assert "stuck in native code after the abort (in release" in result.ranks[STUCK].output
+    check_stuck_rank_ended(report.load([tmp_path / "restarts.jsonl"]), full_size=3)
+    delays = ready_after(result, fault_time)
+    assert set(delays) == set(survivors), delays
     assert max(delays.values()) < HARD / 2, delays
     assert not result.leftovers
 

@@ -29,6 +29,9 @@ class _Board:
     def unwind_started(self) -> float:
         return self.started
 
+    def phase(self) -> str:
+        return "function"
+
 
 def _guardian(pid: int, started: float) -> _Guardian:
     guardian = _Guardian.__new__(_Guardian)

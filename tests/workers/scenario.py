@@ -197,7 +197,21 @@ def inject(kind: str) -> None:
         return
     if kind == "segfault":
         ctypes.string_at(0)
+    if kind == "stuck_when_freed":
+        # A fault whose traceback holds, in torch.distributed's own frames, an
+        # object whose destructor never returns (what a gloo group does when one
+        # of its worker threads is left in a send the abort did not fail).
+        dist.broadcast_object_list([StuckWhenFreed()], src=dist.get_world_size() + 5)
     raise ValueError(f"unknown fault kind {kind}")
+
+
+class StuckWhenFreed:
+    """Its destructor blocks in native code, deaf to every signal."""
+
+    def __del__(self) -> None:
+        event("freed")
+        signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+        signal.pause()
 
 
 def busy_python(seconds: float) -> None:
