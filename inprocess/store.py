@@ -85,6 +85,10 @@ COUNTED_WAIT = 1.0
 #: (signals, ``on_wait``). torch logs a warning for every wait that times out, so
 #: chunks start at 2 s and double (a rank early at the initial barrier, waiting for
 #: slow starters, logs a few lines, not one every 2 s).
+#: A store's ``wait_chunk_max`` caps the doubling: the Wrapper sets it to a
+#: quarter of its ``hard_timeout``, because a main thread blocked in the store's
+#: wait runs no bytecode, and its hard clock runs on meanwhile (see
+#: :mod:`inprocess.progress_watchdog`): one chunk must never come near it.
 WAIT_CHUNK = 2.0
 WAIT_CHUNK_MAX = 30.0
 
@@ -104,7 +108,8 @@ class _WakeWait:
         self.store, self.pause = store, pause
         self.deadline = time.monotonic() + timeout.total_seconds()
         self.seq = store.wake_sequence()
-        self.chunk = WAIT_CHUNK
+        self.chunk_max = getattr(store, "wait_chunk_max", WAIT_CHUNK_MAX)
+        self.chunk = min(WAIT_CHUNK, self.chunk_max)
         self.idle = False
 
     def remaining(self) -> float:
@@ -114,7 +119,7 @@ class _WakeWait:
         if self.idle:
             time.sleep(self.pause)
         seconds = min(self.chunk, max(self.remaining(), 0.0))
-        self.chunk = min(self.chunk * 2, WAIT_CHUNK_MAX)
+        self.chunk = min(self.chunk * 2, self.chunk_max)
         if self.store.wait_for(P.wake_key(self.seq + 1), seconds):
             self.seq += 1
             self.idle = True  # until the caller's next look finds something new
@@ -937,4 +942,6 @@ class PrefixStore(dist.PrefixStore, StoreMixin):
     def __init__(self, prefix: str | int, store: dist.Store) -> None:
         self.prefix = str(prefix)
         self.base_store = store
+        # a view of a store waits like it (see WAIT_CHUNK)
+        self.wait_chunk_max = getattr(store, "wait_chunk_max", WAIT_CHUNK_MAX)
         super().__init__(str(prefix), store)

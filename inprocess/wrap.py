@@ -76,6 +76,7 @@ from .rank_assignment import RankAssignment, RankDiscarded
 from .rank_filter import RankFilter
 from .state import Mode, State
 from .store import (
+    WAIT_CHUNK_MAX,
     ClientSpec,
     Poller,
     PrefixStore,
@@ -606,6 +607,9 @@ class CallWrapper:
         cleanup.callback(release_held_servers)
         cleanup.callback(self._wait_for_exit_if_hosting, raw)
         self.store = PrefixStore(self.namespace, raw)
+        # A wait for peers blocks in the store, where the hard clock runs on
+        # (no bytecode): no single wait comes near the hard timeout.
+        self.store.wait_chunk_max = min(WAIT_CHUNK_MAX, c.hard_timeout / 4)
         # Tells a job controller that this role recovers in-process (role level),
         # and which call the job is on.
         raw.announce_call(role, call)

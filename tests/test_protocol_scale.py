@@ -199,3 +199,28 @@ def test_a_rank_whose_view_of_the_membership_differs_is_caught_by_the_digest(ran
     assert len(errors) == 1, (errors, decided)
     (error,) = errors.values()
     assert isinstance(error, InternalError) and "participants differ" in str(error)
+
+
+def test_a_wait_for_peers_never_blocks_near_the_hard_timeout():
+    """A rank blocked in the store's wait runs no bytecode, so its hard clock runs
+    on: the Wrapper caps each wait at a quarter of ``hard_timeout``, and views
+    of its store (a rank assignment's prefix) wait the same way."""
+    from inprocess.store import WAIT_CHUNK_MAX, _WakeWait
+
+    server = TCPStore(host_name="127.0.0.1", port=0, is_master=True, timeout=TD)
+    try:
+        store = PrefixStore("call", server)
+        assert _WakeWait(store, TD, 0.01).chunk_max == WAIT_CHUNK_MAX
+        store.wait_chunk_max = 0.2
+        view = PrefixStore("assignment", store)
+        for s in (store, view):
+            waiter = _WakeWait(s, datetime.timedelta(seconds=1.2), 0.01)
+            blocked = []
+            while waiter.remaining() > 0:
+                started = time.monotonic()
+                waiter.wait()
+                blocked.append(time.monotonic() - started)
+            # nobody wakes it: every wait ran its whole chunk, none longer than the cap
+            assert len(blocked) >= 5 and max(blocked) < 0.2 + 0.15, blocked
+    finally:
+        del server
