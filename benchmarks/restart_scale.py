@@ -100,16 +100,10 @@ def rank_main(
 
     from inprocess import Wrapper, records
     from inprocess.monitor_thread import RankShouldRestart
+    from inprocess.progress_watchdog import ProgressBoard
     from inprocess.state import State
     from inprocess.store import PrefixStore, TCPStore, new_identity
     from inprocess.wrap import CallWrapper, _Result
-
-    def read_peers(store: Any, identity: str) -> Any:
-        # what MonitorProcess's watch_peers reads: the peers its rank published
-        # (before: the whole membership)
-        if hasattr(store, "peers"):
-            return store.peers(identity)
-        return store.membership()
 
     try:
         raw = TCPStore(host_name=HOST, port=port, is_master=False, timeout=_td(timeout))
@@ -120,6 +114,9 @@ def rank_main(
         cw.state = State(rank=rank, world_size=n)
         cw.identity = new_identity(rank)
         cw._records = records.Recorder(None, cw.identity, "", 0)
+        # where the rank hands its monitor process the peers to watch (local memory;
+        # before, a store record its monitor process read)
+        cw._board = ProgressBoard()
         cw.store = PrefixStore("inprocess/bench/call0", raw)
         members = cw._initial_barrier()
         current = cw._iteration_barrier(0, cw._copy_state(), members, set(), [])
@@ -148,12 +145,6 @@ def rank_main(
                 current.index + 1, previous, current.members, terminated, joiners
             )
             ends[f"restart{k}"] = max(ends.get(f"restart{k}", 0.0), time.monotonic())
-            # the rank's monitor process, on its next check: who are its peers now
-            while True:
-                published = read_peers(cw.store, cw.identity)
-                if published is not None and published[0] == current.index:
-                    break
-                time.sleep(0.05)
             _finish(raw, f"restart{k}", n)
 
             raw.wait([f"bench/torch{k}/go"], _td(timeout))

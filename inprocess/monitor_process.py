@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from .progress_watchdog import ProgressBoard
+from .protocol import Peers
 
 log = logging.getLogger(__name__)
 
@@ -519,12 +520,12 @@ class _Guardian:
         _, _, _, iteration, _ = self.board.read()
         if iteration != self.membership_iteration:
             # A new iteration of this rank: read who its peers are now (its rank
-            # publishes them: O(1), never the whole membership).
-            published = self.store.peers(self.config.identity)
-            if published is None or published[0] != iteration:
+            # hands them over on the board: no store read, never the membership).
+            published = Peers.parse(self.board.read_text(), "board")
+            if published is None or published.iteration != iteration:
                 return  # not published yet: next time
             self.membership_iteration = iteration
-            self.peers = published[1]
+            self.peers = list(published.peers)
             self.peer_seen = {p: v for p, v in self.peer_seen.items() if p in self.peers}
         if not self.peers:
             return

@@ -101,16 +101,23 @@ class ProgressBoard:
     rank has made no progress for ``now - auto``), manual timestamp (doubles),
     manual active, iteration, finished flag (int64), the bounded-unwind clock
     (double) and where the Wrapper is (:data:`PHASES`, int64: what a monitor
-    process that ends the rank says it was doing). Each is written with one
+    process that ends the rank says it was doing); then a small text area
+    (:meth:`write_text`: the peers the monitor process watches, handed over
+    here rather than through the store). Each is written with one
     8-byte store through a typed memoryview, so a reader in the other process
     never sees a torn or half-written value. (``struct.pack_into`` is not safe
     here: it clears its target before writing it, and a reader can see the
     zeros; they once read as "no progress since boot" and killed a healthy rank.)
     """
 
-    _WORDS = 7
-    SIZE = _WORDS * 8
-    _AUTO, _MANUAL, _ACTIVE, _ITERATION, _FINISHED, _UNWIND, _PHASE = range(_WORDS)
+    _WORDS = 9
+    _AUTO, _MANUAL, _ACTIVE, _ITERATION, _FINISHED, _UNWIND, _PHASE, _TEXT_SEQ, _TEXT_LEN = range(
+        _WORDS
+    )
+    #: bytes of the text area (the peers the monitor process watches: two identities)
+    TEXT_BYTES = 1024
+    _TEXT_AT = _WORDS * 8
+    SIZE = _TEXT_AT + TEXT_BYTES
 
     def __init__(self, fd: int | None = None) -> None:
         created = fd is None
@@ -146,6 +153,33 @@ class ProgressBoard:
 
     def write_finished(self) -> None:
         self._ints[self._FINISHED] = 1
+
+    def write_text(self, text: str) -> None:
+        """Publishes ``text`` to the monitor process (one writer: the rank's main thread).
+
+        A sequence lock: the sequence word is odd while the text changes, so a
+        reader that sees it odd, or changed across its read, reads again.
+        """
+        data = text.encode()
+        if len(data) > self.TEXT_BYTES:
+            raise ValueError(f"board text of {len(data)} bytes, at most {self.TEXT_BYTES}")
+        seq = self._ints[self._TEXT_SEQ]
+        self._ints[self._TEXT_SEQ] = seq + 1
+        self._map[self._TEXT_AT : self._TEXT_AT + len(data)] = data
+        self._ints[self._TEXT_LEN] = len(data)
+        self._ints[self._TEXT_SEQ] = seq + 2
+
+    def read_text(self) -> str | None:
+        """The text last published (``None``: none yet, or a writer kept changing it)."""
+        for _ in range(1000):
+            seq = self._ints[self._TEXT_SEQ]
+            if seq % 2 == 0:
+                length = self._ints[self._TEXT_LEN]
+                data = bytes(self._map[self._TEXT_AT : self._TEXT_AT + length])
+                if self._ints[self._TEXT_SEQ] == seq:
+                    return data.decode(errors="replace") if seq else None
+            time.sleep(0)
+        return None
 
     def write_phase(self, phase: str) -> None:
         """Where the Wrapper is now, one of :data:`PHASES`."""

@@ -77,7 +77,6 @@ LEFT = "left"
 JOIN_REQUESTS = "join_requests"
 MEMBERSHIP = "membership"
 WAKE_SEQ = "wake_seq"  # counter of the call's wake-ups (see store.StoreMixin.wake_waiters)
-PEERS = "peers"  # per identity: the peers its monitor process watches, per iteration
 HOSTED = "hosted"  # set by a rank that hosts the call's store server
 INITIAL = "initial"  # the initial barrier's name
 PHASES = "phases"  # per iteration: each survivor's restart phases (one JSON line each)
@@ -534,8 +533,8 @@ def ring_successors(members: Sequence[str], identity: str, count: int) -> list[s
 
 @dataclasses.dataclass(frozen=True)
 class Peers:
-    """The peers a rank's monitor process watches in an iteration: published by the rank,
-    so the monitor reads O(1), never the whole membership."""
+    """The peers a rank's monitor process watches in an iteration: handed over by the
+    rank on its progress board, so the monitor reads nothing from the store for it."""
 
     iteration: int
     peers: tuple[str, ...]
@@ -544,7 +543,7 @@ class Peers:
         return json.dumps({"iteration": self.iteration, "peers": list(self.peers)})
 
     @classmethod
-    def parse(cls, text: str | None, key: str = PEERS) -> Peers | None:
+    def parse(cls, text: str | None, key: str = "board") -> Peers | None:
         """``None`` when absent or malformed (logged once for ``key``)."""
         parsed = _iteration_identities(text, "peers", key, "malformed peers")
         return None if parsed is None else cls(*parsed)

@@ -473,18 +473,6 @@ class StoreMixin:
             return None
         return published.iteration, list(published.members)
 
-    def publish_peers(self, identity: str, iteration: int, peers: Sequence[str]) -> None:
-        """Tells the monitor process of ``identity`` whom it watches in ``iteration``."""
-        self.put(P.per_identity(P.PEERS, identity), P.Peers(iteration, tuple(peers)).encode())
-
-    def peers(self, identity: str) -> tuple[int, list[str]] | None:
-        """The iteration and peers ``identity`` published last; ``None`` before."""
-        key = P.per_identity(P.PEERS, identity)
-        published = P.Peers.parse(self.read(key), self.path(key))
-        if published is None:
-            return None
-        return published.iteration, list(published.peers)
-
     # ------------------------------------------------------------------ outcome
 
     def outcome(self, iteration: int) -> str:

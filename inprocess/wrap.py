@@ -869,10 +869,13 @@ class CallWrapper:
                 s.apply_active_world_size()
             if s.rank == 0:
                 self.store.publish_membership(iteration, members)
-            self.store.publish_peers(
-                self.identity,
-                iteration,
-                protocol.ring_successors(members, self.identity, WATCHED_PEERS),
+            # Whom this rank's monitor process watches now: handed over on the
+            # board (local memory), not through the store.
+            self._board.write_text(
+                protocol.Peers(
+                    iteration,
+                    tuple(protocol.ring_successors(members, self.identity, WATCHED_PEERS)),
+                ).encode()
             )
             log.info(
                 "%s: iteration %d rank %d/%d (%s)",

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
 import torch.distributed as dist
 
 from inprocess import protocol as P
+from inprocess.progress_watchdog import ProgressBoard
 from inprocess.store import PrefixStore, StoreMixin
 
 
@@ -134,12 +136,22 @@ def test_ring_successors_and_the_peers_record():
     assert P.ring_successors(members, "2/0.c", 2) == ["0/0.a", "1/0.b"]
     assert P.ring_successors(members, "1/0.b", 5) == ["2/0.c", "0/0.a"]
     assert P.ring_successors(members, "9/0.z", 2) == [] == P.ring_successors(["0/0.a"], "0/0.a", 2)
-    store = HashStore()
-    assert store.peers("0/0.a") is None
-    store.publish_peers("0/0.a", 4, ["1/0.b"])
-    assert store.peers("0/0.a") == (4, ["1/0.b"])
-    store.set(f"{P.PEERS}/1/0.b", "garbage")
-    assert store.peers("1/0.b") is None
+    # handed from a rank to its monitor process on the board, not through the store
+    board = ProgressBoard()
+    try:
+        assert board.read_text() is None and P.Peers.parse(board.read_text()) is None
+        board.write_text(P.Peers(4, ("1/0.b",)).encode())
+        assert P.Peers.parse(board.read_text()) == P.Peers(4, ("1/0.b",))
+        board.write_text(P.Peers(5, ("2/0.c", "0/0.a")).encode())  # shorter or longer
+        monitor_side = ProgressBoard(os.dup(board.fd))  # the other process's mapping
+        assert P.Peers.parse(monitor_side.read_text()).iteration == 5
+        monitor_side.close()
+        board.write_text("garbage")
+        assert P.Peers.parse(board.read_text()) is None
+        with pytest.raises(ValueError, match="at most"):
+            board.write_text("x" * (ProgressBoard.TEXT_BYTES + 1))
+    finally:
+        board.close()
 
 
 # --------------------------------------------------------------------------- termination

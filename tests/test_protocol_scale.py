@@ -20,6 +20,8 @@ import pytest
 from inprocess import Wrapper, records
 from inprocess.exception import InternalError
 from inprocess.monitor_thread import RankShouldRestart
+from inprocess.progress_watchdog import ProgressBoard
+from inprocess.protocol import Peers
 from inprocess.state import State
 from inprocess.store import PrefixStore, TCPStore, new_identity
 from inprocess.wrap import CallWrapper, _Result
@@ -67,6 +69,7 @@ class Ranks:
             cw.state = State(rank=rank, world_size=n)
             cw.identity = new_identity(rank)
             cw._records = records.Recorder(None, cw.identity, "", 0)
+            cw._board = ProgressBoard()  # where it hands its peers to its monitor process
             cw.store = CountingStore(NS, raw)
             self.wrappers[rank] = cw
             members = cw._initial_barrier()
@@ -108,12 +111,13 @@ class Ranks:
         self.current[rank] = cw._iteration_barrier(
             current.index + 1, previous, current.members, terminated, joiners
         )
-        cw.store.peers(cw.identity)  # what its monitor process reads
+        assert Peers.parse(cw._board.read_text()).iteration == current.index + 1
 
     def close(self) -> None:
         for cw in self.wrappers:
             if cw is not None:
                 cw.store = None
+                cw._board.close()
         self.wrappers.clear()
         self.server = None
 
