@@ -98,9 +98,10 @@ def rank_main(
     """One simulated rank: the Wrapper's code for the setup and for ``rounds`` restarts."""
     import torch.distributed.elastic.utils.store as elastic_store
 
-    from inprocess import Wrapper, records
+    from inprocess import Wrapper, protocol, records
     from inprocess.monitor_thread import RankShouldRestart
     from inprocess.progress_watchdog import ProgressBoard
+    from inprocess.security import keyed_namespace
     from inprocess.state import State
     from inprocess.store import PrefixStore, TCPStore, new_identity
     from inprocess.wrap import CallWrapper, _Result
@@ -117,7 +118,9 @@ def rank_main(
         # where the rank hands its monitor process the peers to watch (local memory;
         # before, a store record its monitor process read)
         cw._board = ProgressBoard()
-        cw.store = PrefixStore("inprocess/bench/call0", raw)
+        # the call namespace of a real job (a torchrun run's, keyed with a secret)
+        role = protocol.role_namespace(keyed_namespace("torchelastic/bench-run/0", "secret"))
+        cw.store = PrefixStore(protocol.call_namespace(role, 0), raw)
         members = cw._initial_barrier()
         current = cw._iteration_barrier(0, cw._copy_state(), members, set(), [])
         _finish(raw, "setup", n)

@@ -6,12 +6,12 @@ Key schema
     Every key the Wrapper, its monitor process and a job controller share. A
     job's keys live under a *role* namespace ``inprocess/<job namespace>``
     (:func:`role_namespace`); each call of a wrapped function in a process gets
-    a *call* namespace ``<role>/call<k>`` (:func:`call_namespace`), ``k``
-    counting the process's calls (every rank of a job makes the same sequence
-    of calls). Inside a call namespace: the fault counter and log, the
+    a short *call* namespace ``inprocess/<digest of the role>/<k>``
+    (:func:`call_namespace`), ``k`` counting the process's calls (every rank of
+    a job makes the same sequence of calls). Inside a call namespace: the fault counter and log, the
     terminated and left lists (identities each followed by :data:`SEP`), join
-    requests, heartbeats, the published membership, each rank's watched
-    ``peers``, the wake-up sequence and its ``wake/<k>`` keys, and per iteration ``n`` the
+    requests, heartbeats, the published membership, the wake-up sequence
+    (``wseq``) and its ``w/<k>`` keys, and per iteration ``n`` the
     keys under ``iter/<n>/`` (barrier attempts, termination, completion,
     outcome, exit count, the user's ``env://`` rendezvous, the survivors'
     restart ``phases`` for the restart records of :mod:`inprocess.records`). The role namespace
@@ -40,7 +40,7 @@ Read API
 Every value in the schema is a sealed record (:func:`inprocess.security.seal`,
 MAC'd under the job's secret and the key's full name); lists hold one record
 per entry. Readers, this module's read API included, use authentic records
-only; counters (``faults``, ``terminated_epoch``, barrier counts) only wake
+only; counters (``faults``, ``tepoch``, barrier counts) only wake
 readers. Validators here (:func:`valid_identity`, :meth:`Membership.parse`,
 :meth:`Arrival.parse`) turn what a record says into ``None`` rather than an
 exception when it is malformed.
@@ -48,6 +48,7 @@ exception when it is malformed.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import hashlib
 import json
@@ -72,11 +73,11 @@ LATEST_CALL = "latest_call"
 FAULTS = "faults"
 FAULT_LOG = "fault_log"
 TERMINATED = "terminated"
-TERMINATED_EPOCH = "terminated_epoch"
+TERMINATED_EPOCH = "tepoch"
 LEFT = "left"
 JOIN_REQUESTS = "join_requests"
 MEMBERSHIP = "membership"
-WAKE_SEQ = "wake_seq"  # counter of the call's wake-ups (see store.StoreMixin.wake_waiters)
+WAKE_SEQ = "wseq"  # counter of the call's wake-ups (see store.StoreMixin.wake_waiters)
 HOSTED = "hosted"  # set by a rank that hosts the call's store server
 INITIAL = "initial"  # the initial barrier's name
 PHASES = "phases"  # per iteration: each survivor's restart phases (one JSON line each)
@@ -94,13 +95,15 @@ def role_namespace(job_namespace: str) -> str:
 
 
 def call_namespace(role: str, call: int) -> str:
-    """The namespace of call ``call`` (0, 1, ...) of the wrapped functions in ``role``."""
-    return f"{role}/call{call}"
+    """The namespace of call ``call`` (0, 1, ...) of the wrapped functions in ``role``.
 
-
-def role_of(call_ns: str) -> str:
-    """The role namespace a call namespace belongs to."""
-    return call_ns.rsplit("/", 1)[0]
+    Short on purpose: it prefixes every key a rank sends in a restart, and a
+    role namespace (a job's, a generation's, the secret's tag) runs to 70
+    characters. Its digest names it (72 bits: the role, tag included, is
+    what separates jobs; a client that lists keys sees it either way).
+    """
+    digest = hashlib.blake2b(role.encode(), digest_size=9).digest()
+    return f"{ROOT}/{base64.urlsafe_b64encode(digest).decode()}/{call}"
 
 
 def per_identity(kind: str, identity: str) -> str:
@@ -117,12 +120,30 @@ def iteration_key(iteration: int, name: str) -> str:
 
 def wake_key(k: int) -> str:
     """The key the ``k``-th wake-up of a call sets (waiters block on the next one)."""
-    return f"wake/{k}"
+    return f"w/{k}"
+
+
+# A rendezvous' keys are short: every waiter sends them in every restart.
 
 
 def done_key(rendezvous: str) -> str:
     """The key where rendezvous (or barrier) ``rendezvous`` publishes its decision."""
-    return f"{rendezvous}/done"
+    return f"{rendezvous}/d"
+
+
+def arrivals_key(rendezvous: str) -> str:
+    """The list of a rendezvous' arrivals (sealed ``identity=value`` records)."""
+    return f"{rendezvous}/a"
+
+
+def count_key(rendezvous: str) -> str:
+    """A rendezvous' counter of arrivals and of deaths counted for members (it wakes)."""
+    return f"{rendezvous}/n"
+
+
+def dead_key(rendezvous: str, identity: str) -> str:
+    """The once-key whose winner counts dead member ``identity`` at a rendezvous."""
+    return f"{rendezvous}/x/{identity}"
 
 
 def split_identities(text: str) -> list[str]:
@@ -265,9 +286,13 @@ class Termination:
     cause: RootCause | None = None
 
 
+#: characters of the root cause's reason in a termination decision
+CAUSE_CHARS = 160
+
+
 def membership_digest(members: Sequence[str]) -> str:
     """A short digest of an ordered membership: what a rank that derived one checks it with."""
-    return hashlib.blake2b("\n".join(members).encode(), digest_size=12).hexdigest()
+    return hashlib.blake2b("\n".join(members).encode(), digest_size=8).hexdigest()
 
 
 class MembershipMismatch(ValueError):
@@ -308,7 +333,11 @@ def encode(
         data = {
             "terminated": list(decision.terminated),
             "joiners": list(decision.joiners),
-            "cause": None if cause is None else {"rank": cause.rank, "reason": cause.reason},
+            # every rank reads it (to log it): the first line's start; the
+            # fault log keeps the whole text for the report
+            "cause": None
+            if cause is None
+            else {"rank": cause.rank, "reason": cause.reason[:CAUSE_CHARS]},
         }
     else:
         raise TypeError(f"not a decision of the protocol: {decision!r}")

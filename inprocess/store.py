@@ -195,8 +195,9 @@ def key_path(store: Any, key: str) -> str:
 
 
 #: the expectation of :meth:`StoreMixin.get_or`'s compare-and-set: no value of ours
-#: (a sealed record starts with a newline) and no counter is ever this text
-_ABSENT = "\x00absent\x00"
+#: (a sealed record starts with a newline) and no counter is ever this text; one
+#: byte, as it travels twice with every read
+_ABSENT = "\x00"
 
 
 class Poller:
@@ -545,15 +546,23 @@ class StoreMixin:
         # behalf (once, by whoever sees it first), so the counter completes the
         # rendezvous on arrivals and deaths alone, and only a rank that raises
         # the counter to the number of members reads the arrivals list.
+        # The wake-up sequence is read before arriving: no decision can be
+        # published before this rank arrives (it is a live member), so every
+        # decision wakes it, and the first look needs no read of the decision.
+        # (A member wrongly listed as dead may find the decision made without
+        # it: it reads it after its first wait, a chunk later.)
+        waiter = _WakeWait(self, timeout, poll_limit)
         complete = self._arrive(name, identity, value, members)
-        waiter = _WakeWait(self, timeout, poll_limit)  # before looking: no wake-up is missed
         seen_epoch = -1
         counted: set[str] = set()
+        woken = False
         while not complete:
-            # None: not decided yet, or only a stranger's garbage there
-            published = P.first_or_none(self.entries(done_key))
-            if published is not None:
-                return published
+            if woken:
+                # None: not decided yet, or only a stranger's garbage there
+                published = P.first_or_none(self.entries(done_key))
+                if published is not None:
+                    return published
+            woken = True
             epoch = self.terminated_epoch()
             if epoch != seen_epoch:
                 seen_epoch, waiter.idle = epoch, False
@@ -563,7 +572,7 @@ class StoreMixin:
             if waiter.remaining() <= 0:
                 raise BarrierTimeout(
                     f"rendezvous {name!r} timed out after {timeout.total_seconds():.3g}s "
-                    f"({self.counter(f'{name}/count')}/{len(members)} arrived)"
+                    f"({self.counter(P.count_key(name))}/{len(members)} arrived)"
                 )
             waiter.wait()
             if on_wait is not None:
@@ -583,9 +592,9 @@ class StoreMixin:
     def wake_waiters(self) -> None:
         """Wakes every rank blocked at a rendezvous or barrier of the call.
 
-        Invariant: the k-th wake-up sets key ``wake/<k>``. A waiter that read
+        Invariant: the k-th wake-up sets key ``w/<k>``. A waiter that read
         the sequence as ``s`` *before* looking at what it waits for blocks on
-        ``wake/<s+1>``, which the first wake-up after its look sets: none is
+        ``w/<s+1>``, which the first wake-up after its look sets: none is
         missed (:class:`_WakeWait`). A stranger's add to the sequence can only
         make a waiter sleep to the end of its chunk (:data:`WAIT_CHUNK` and up)
         before it looks again.
@@ -620,14 +629,14 @@ class StoreMixin:
         arrival. The counter only says when to read: anyone can add to it, so
         completion is checked on the authentic arrivals (and deaths).
         """
-        self.add_entry(f"{name}/arrivals", f"{identity}={value}")
+        self.add_entry(P.arrivals_key(name), f"{identity}={value}")
         return self._raise_count(name, members)
 
     def _raise_count(self, name: str, members: Sequence[str]) -> bool:
         """Raises the rendezvous counter; whether it is complete (checked only at the count
         of members or above: a member that arrived, then died, counts twice, so a check
         can come early, and the next raise checks again)."""
-        count = int(self.add(f"{name}/count", 1))
+        count = int(self.add(P.count_key(name), 1))
         return count >= len(members) and self._complete(name, members)
 
     def _count_the_dead(
@@ -645,17 +654,17 @@ class StoreMixin:
             counted.add(dead)
             # a sealed once-key, not a counter: a stranger's add must not
             # keep a death from being counted
-            if self.set_once(f"{name}/dead/{dead}", uuid.uuid4().hex)[0]:
+            if self.set_once(P.dead_key(name, dead), uuid.uuid4().hex)[0]:
                 complete = self._raise_count(name, members) or complete
         return complete
 
     def _arrivals(self, name: str) -> dict[str, str]:
-        return self.by_identity(f"{name}/arrivals")
+        return self.by_identity(P.arrivals_key(name))
 
     def _complete(self, name: str, members: Sequence[str], dead: set[str] | None = None) -> bool:
         """Whether every member has arrived or is terminated (authentic records only);
         called once this rank's arrival is in (the arrivals key exists)."""
-        arrived = self.by_identity(f"{name}/arrivals", raw=self.get(f"{name}/arrivals"))
+        arrived = self.by_identity(P.arrivals_key(name), raw=self.get(P.arrivals_key(name)))
         missing = [m for m in members if m not in arrived]
         if not missing:
             return True
@@ -706,10 +715,10 @@ class StoreMixin:
             raise ValueError(
                 f"barrier {name!r}: a participant's name has no separators, got {identity!r}"
             )
-        self.add_entry(f"{name}/arrivals", identity)
+        self.add_entry(P.arrivals_key(name), identity)
         # The counter says when to read; the authentic arrivals decide.
-        if int(self.add(f"{name}/count", 1)) >= count:
-            arrived = [i for i in self.entries(f"{name}/arrivals") if P.valid_name(i)]
+        if int(self.add(P.count_key(name), 1)) >= count:
+            arrived = [i for i in self.entries(P.arrivals_key(name)) if P.valid_name(i)]
             if len(arrived) > count:
                 raise BarrierOverflow(f"barrier {name!r}: {len(arrived)} arrivals for {count}")
             if len(arrived) == count and self.set_once(done_key, P.SEP.join(arrived))[0]:
@@ -720,7 +729,7 @@ class StoreMixin:
         except RestartTimeoutError as ex:
             raise BarrierTimeout(
                 f"barrier {name!r} timed out after {timeout.total_seconds():.3g}s "
-                f"({self.counter(f'{name}/count')}/{count} arrived)"
+                f"({self.counter(P.count_key(name))}/{count} arrived)"
             ) from ex
 
     def all_gather_lines(

@@ -783,7 +783,7 @@ class CallWrapper:
             count = self.store.counter(key)
             if count != seen and count >= len(finished.members):
                 seen = count
-                if self.store.all_arrived(f"{key}/arrivals", finished.members) is not None:
+                if self.store.all_arrived(protocol.arrivals_key(key), finished.members) is not None:
                     return
             time.sleep(0.005)
 
@@ -955,12 +955,13 @@ class CallWrapper:
         key = protocol.iteration_key(current.index, "completion")
         active = self.state.mode == Mode.ACTIVE
         # Counters wake; the sealed arrivals (with each rank's mode) decide.
-        store.add_entry(f"{key}/arrivals", f"{self.identity}={'active' if active else 'spare'}")
+        mode = "active" if active else "spare"
+        store.add_entry(protocol.arrivals_key(key), f"{self.identity}={mode}")
         if active:
             store.add(f"{key}/active", 1)
         arrived = int(store.add(key, 1))
         if arrived >= len(current.members) and store.all_arrived(
-            f"{key}/arrivals", current.members
+            protocol.arrivals_key(key), current.members
         ):
             proposal = protocol.completion_outcome(store.fault_count(), current.baseline)
             store.decide_outcome(current.index, proposal)
@@ -978,7 +979,7 @@ class CallWrapper:
                 count = store.counter(f"{key}/active")
                 if count != seen_active:
                     seen_active = count
-                    arrivals = store.by_identity(f"{key}/arrivals")
+                    arrivals = store.by_identity(protocol.arrivals_key(key))
                     if "active" in arrivals.values():
                         deadline = time.monotonic() + timeout
             elif time.monotonic() >= deadline:
@@ -1286,7 +1287,7 @@ class CallWrapper:
         self._finished_iteration = current
         self._monitor_process.shutdown()
         key = protocol.iteration_key(current.index, "exit")
-        self.store.add_entry(f"{key}/arrivals", f"{self.identity}=exit")
+        self.store.add_entry(protocol.arrivals_key(key), f"{self.identity}=exit")
         self.store.add(key, 1)
 
 

@@ -197,9 +197,12 @@ def test_completion_outcome():
 def test_schema():
     role = P.role_namespace("job/g0")
     assert role == "inprocess/job/g0"
-    assert P.call_namespace(role, 2) == "inprocess/job/g0/call2"
-    assert P.role_of(P.call_namespace(role, 2)) == role
-    assert P.done_key(P.iteration_key(4, "termination")) == "iter/4/termination/done"
+    # short (it prefixes every key of a restart), one per role and call
+    call = P.call_namespace(role, 2)
+    assert call.startswith("inprocess/") and call.endswith("/2") and len(call) <= 26
+    assert call == P.call_namespace("inprocess/job/g0", 2) != P.call_namespace(role, 1)
+    assert P.call_namespace(P.role_namespace("job/g1"), 2) != call
+    assert P.done_key(P.iteration_key(4, "termination")) == "iter/4/termination/d"
     assert P.split_identities(P.identity_record("0/0.a") + P.identity_record("1/0.b")) == [
         "0/0.a",
         "1/0.b",

@@ -17,6 +17,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from launcher import free_port
 
+from inprocess import protocol as P
 from inprocess.compose import Compose
 from inprocess.exception import InternalError, RestartError
 from inprocess.rank_assignment import (
@@ -400,8 +401,8 @@ def test_filter_detects_inconsistent_terminated_sets():
     prefix = f"inprocess/filter_grouped_by_key/{fgk.name}"
     # rank 1's line and arrival, as it writes them (sealed records)
     store.add_entry(f"{prefix}/lines", "1=1=k")
-    store.add_entry(f"{prefix}/barrier/arrivals", "1")
-    store.add(f"{prefix}/barrier/count", 1)
+    store.add_entry(P.arrivals_key(f"{prefix}/barrier"), "1")
+    store.add(P.count_key(f"{prefix}/barrier"), 1)
     with pytest.raises(InternalError, match="expected the 2 surviving ranks"):
         fgk(State(rank=0, world_size=3, store=store), {1})
 

@@ -142,10 +142,8 @@ def test_garbage_in_every_protocol_key_is_ignored_and_logged_once(tcp, caplog):
     store.decide_outcome(1, P.COMPLETED)
     store.mark_completed(A, 1)
     store.send_heartbeat(A)
-    store.publish_peers(A, 2, [B])
     keys = [k for k in stranger.list_keys() if not k.endswith("/faults")]
     names = {k.rsplit("/", 1)[-1] for k in keys}
-    assert any("/peers/" in k for k in keys)
     assert {"membership", "fault_log", "terminated", "left", "join_requests", "outcome"} <= names
     assert {"latest_call", "wrapped"} <= names
     before = (
@@ -159,7 +157,6 @@ def test_garbage_in_every_protocol_key_is_ignored_and_logged_once(tcp, caplog):
         store.has_completed(A),
         store.is_terminated(C),
         store.heartbeats([A, B]),
-        store.peers(A),
         P.latest_call(stranger, role),
         P.wrapper_present(stranger, role),
     )
@@ -178,7 +175,6 @@ def test_garbage_in_every_protocol_key_is_ignored_and_logged_once(tcp, caplog):
                 store.has_completed(A),
                 store.is_terminated(C),
                 store.heartbeats([A, B]),
-                store.peers(A),
                 P.latest_call(stranger, role),
                 P.wrapper_present(stranger, role),
             )
@@ -203,7 +199,7 @@ def test_forged_records_of_absent_keys_decide_nothing(tcp):
     # a stranger who guesses names writes first: a death, an outcome, a decision, a join
     stranger.set(f"{ns}/terminated/{A}", "forged")
     stranger.set(f"{ns}/iter/0/outcome", "fault")
-    stranger.set(f"{ns}/initial/done", f"{A},")
+    stranger.set(P.done_key(f"{ns}/initial"), f"{A},")
     stranger.set(f"{ns}/completed/{B}", "0")
     stranger.set(f"{ns}/heartbeat/{B}", "99999")
     stranger.set(f"inprocess/job/g0/{P.LATEST_CALL}", "notanumber")
@@ -244,9 +240,9 @@ def test_a_rendezvous_decides_on_authentic_arrivals_only(tcp):
     ns = "inprocess/job/g0/call0"
     # The arrival counter is inflated and forged arrivals and decisions are in place
     # before anyone arrives: the rendezvous still waits for A, B and C, then decides once.
-    stranger.add(f"{ns}/rdzv/count", 10)
-    stranger.append(f"{ns}/rdzv/arrivals", f"{A}=9\n{B}=9\nnotanumber/x=1\n")
-    stranger.set(f"{ns}/rdzv/done", "forged decision")
+    stranger.add(P.count_key(f"{ns}/rdzv"), 10)
+    stranger.append(P.arrivals_key(f"{ns}/rdzv"), f"{A}=9\n{B}=9\nnotanumber/x=1\n")
+    stranger.set(P.done_key(f"{ns}/rdzv"), "forged decision")
     decided = []
 
     def decide(arrivals, terminated, baseline):
@@ -270,9 +266,9 @@ def test_a_rendezvous_decides_on_authentic_arrivals_only(tcp):
 
 def test_a_counted_barrier_and_gather_ignore_inflated_counts_and_forged_lines():
     store = HashStore()
-    store.add("g/barrier/count", 7)  # a stranger's add: would complete the barrier at once
+    store.add(P.count_key("g/barrier"), 7)  # a stranger's add: would complete the barrier at once
     store.append("g/lines", "forged line\n")
-    store.append("g/barrier/arrivals", "9/9.forged,")
+    store.append(P.arrivals_key("g/barrier"), "9/9.forged,")
     results: dict[str, list[str]] = {}
 
     def gather(identity: str, line: str) -> None:
@@ -325,9 +321,9 @@ def test_deleted_arrivals_end_a_rendezvous_at_its_timeout():
 
     first = threading.Thread(target=arrive, args=(A,))
     first.start()
-    while not store.check(["r/arrivals"]):
+    while not store.check([P.arrivals_key("r")]):
         pass
-    store.delete_key("r/arrivals")  # the stranger's delete, before B arrives
+    store.delete_key(P.arrivals_key("r"))  # the stranger's delete, before B arrives
     arrive(B)
     first.join(30)
     assert set(errors) == {A, B}
