@@ -6,13 +6,13 @@ Key schema
     Every key the Wrapper, its monitor process and a job controller share. A
     job's keys live under a *role* namespace ``inprocess/<job namespace>``
     (:func:`role_namespace`); each call of a wrapped function in a process gets
-    a short *call* namespace ``inprocess/<digest of the role>/<k>``
+    a short *call* namespace ``ip/<digest of the role>/<k>``
     (:func:`call_namespace`), ``k`` counting the process's calls (every rank of
     a job makes the same sequence of calls). Inside a call namespace: the fault counter and log, the
     terminated and left lists (identities each followed by :data:`SEP`), join
     requests, heartbeats, the published membership, the wake-up sequence
     (``wseq``) and its ``w/<k>`` keys, and per iteration ``n`` the
-    keys under ``iter/<n>/`` (barrier attempts, termination, completion,
+    keys under ``i<n>/`` (barrier attempts ``b<k>``, termination ``t``, completion ``c``,
     outcome, exit count, the user's ``env://`` rendezvous, the survivors'
     restart ``phases`` for the restart records of :mod:`inprocess.records`). The role namespace
     holds the ``wrapped`` marker (the role recovers in-process) and
@@ -64,6 +64,8 @@ from .security import open_records, reject
 SEP = ","
 #: root of every key of the Wrapper in a job's store
 ROOT = "inprocess"
+#: the root of call namespaces (see :func:`call_namespace`)
+CALL_ROOT = "ip"
 
 # keys of a role namespace
 WRAPPED = "wrapped"
@@ -99,11 +101,12 @@ def call_namespace(role: str, call: int) -> str:
 
     Short on purpose: it prefixes every key a rank sends in a restart, and a
     role namespace (a job's, a generation's, the secret's tag) runs to 70
-    characters. Its digest names it (72 bits: the role, tag included, is
-    what separates jobs; a client that lists keys sees it either way).
+    characters. Its digest names it (48 bits: it only tells apart the roles
+    and generations sharing one store; a client that lists keys sees it
+    either way, and the records it holds are sealed).
     """
-    digest = hashlib.blake2b(role.encode(), digest_size=9).digest()
-    return f"{ROOT}/{base64.urlsafe_b64encode(digest).decode()}/{call}"
+    digest = hashlib.blake2b(role.encode(), digest_size=6).digest()
+    return f"{CALL_ROOT}/{base64.urlsafe_b64encode(digest).decode()}/{call}"
 
 
 def per_identity(kind: str, identity: str) -> str:
@@ -112,10 +115,29 @@ def per_identity(kind: str, identity: str) -> str:
     return f"{kind}/{identity}"
 
 
+#: names under an iteration's keys (short: every rank sends them in every restart)
+TERMINATION, COMPLETION, OUTCOME = "t", "c", "o"
+
+
 def iteration_key(iteration: int, name: str) -> str:
-    """A key of iteration ``iteration``: ``termination``, ``completion``, ``outcome``, ``exit``,
-    ``env`` (the user's ``env://`` rendezvous) or ``barrier/<attempt>``."""
-    return f"iter/{iteration}/{name}"
+    """A key of iteration ``iteration``: :data:`TERMINATION`, :data:`COMPLETION`,
+    :data:`OUTCOME`, ``exit``, ``env`` (the user's ``env://`` rendezvous), ``phases``
+    or a barrier attempt (:func:`barrier_name`)."""
+    return f"i{iteration}/{name}"
+
+
+def barrier_name(iteration: int, attempt: int) -> str:
+    """The iteration barrier's rendezvous of ``iteration``, attempt ``attempt``."""
+    return iteration_key(iteration, f"b{attempt}")
+
+
+_BARRIER_NAME = re.compile(r"(?:^|/)i(\d+)/b\d+(?:/|$)")
+
+
+def iteration_of_barrier(prefix: str) -> int | None:
+    """The iteration of the barrier attempt a key prefix is under, if it is under one."""
+    match = _BARRIER_NAME.search(prefix)
+    return int(match.group(1)) if match else None
 
 
 def wake_key(k: int) -> str:

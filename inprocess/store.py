@@ -26,7 +26,7 @@ Faults
     only when it changes.
 
 Outcome
-    ``iter/<k>/outcome`` is a once-key: ``"completed"`` from the last rank
+    ``i<k>/o`` (the outcome) is a once-key: ``"completed"`` from the last rank
     arriving at the completion barrier, ``"fault"`` from whoever first acts on a
     fault. The first authentic record decides the iteration for everybody; a
     fault recorded after completion is ignored.
@@ -478,13 +478,13 @@ class StoreMixin:
 
     def outcome(self, iteration: int) -> str:
         """``"completed"``, ``"fault"``, or ``""`` while undecided."""
-        return self.read(P.iteration_key(iteration, "outcome")) or ""
+        return self.read(P.iteration_key(iteration, P.OUTCOME)) or ""
 
     def decide_outcome(self, iteration: int, outcome: str) -> str:
         """Proposes ``"completed"`` or ``"fault"`` for ``iteration``; returns what stands."""
         if outcome not in (P.COMPLETED, P.FAULT):
             raise ValueError(f"outcome must be {P.COMPLETED!r} or {P.FAULT!r}, got {outcome!r}")
-        return self.set_once(P.iteration_key(iteration, "outcome"), outcome)[1]
+        return self.set_once(P.iteration_key(iteration, P.OUTCOME), outcome)[1]
 
     def mark_completed(self, identity: str, iteration: int) -> None:
         """Records that ``identity`` finished the job, so its exit is not a fault."""

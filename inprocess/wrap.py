@@ -824,7 +824,7 @@ class CallWrapper:
         """
         w = self._config
         for attempt in itertools.count():
-            name = protocol.iteration_key(iteration, f"barrier/{attempt}")
+            name = protocol.barrier_name(iteration, attempt)
             value, assigned = protocol.JOIN, self.state.copy()
             if previous is not None:
                 value, assigned = self._assign_rank(previous, prev_members, terminated, name)
@@ -932,7 +932,7 @@ class CallWrapper:
 
         decision = protocol.decode_termination(
             store.rendezvous(
-                protocol.iteration_key(current.index, "termination"),
+                protocol.iteration_key(current.index, protocol.TERMINATION),
                 self.identity,
                 current.members,
                 "",
@@ -952,7 +952,7 @@ class CallWrapper:
         deadline starts when the first active rank finishes.
         """
         store = self.store
-        key = protocol.iteration_key(current.index, "completion")
+        key = protocol.iteration_key(current.index, protocol.COMPLETION)
         active = self.state.mode == Mode.ACTIVE
         # Counters wake; the sealed arrivals (with each rank's mode) decide.
         mode = "active" if active else "spare"
@@ -1228,7 +1228,8 @@ class CallWrapper:
         membership = store.membership()
         iteration = membership[0] if membership else 0
         while time.monotonic() < deadline:
-            done = store.read(protocol.done_key(protocol.iteration_key(iteration, "termination")))
+            termination = protocol.iteration_key(iteration, protocol.TERMINATION)
+            done = store.read(protocol.done_key(termination))
             if done is not None:
                 decision = protocol.decode_termination(done)
                 if protocol.admitted(decision, self.identity):

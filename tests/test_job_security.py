@@ -157,15 +157,17 @@ class _Stranger(threading.Thread):
                 "left": [f"{i}," for i in self.identities],
                 "join_requests": ["notanumber/x,", "5/1.0123456789,"],
                 "fault_log": ['{"rank": "0/0.0123456789", "reason": "forged", "time": 1}\n'],
-                "iter/0/outcome": ["fault"],
-                "iter/0/termination/done": ['{"terminated": [], "joiners": ["5/1.0123456789"]}'],
+                protocol.iteration_key(0, protocol.OUTCOME): ["fault"],
+                protocol.done_key(protocol.iteration_key(0, protocol.TERMINATION)): [
+                    '{"terminated": [], "joiners": ["5/1.0123456789"]}'
+                ],
             }
             forged.update({f"terminated/{i}": ["forged"] for i in self.identities})
             for key, texts in forged.items():
                 for text in texts:
                     client.append(f"{call}/{key}", text)
             client.add(f"{call}/faults", 1)
-            client.add(f"{call}/terminated_epoch", 1)
+            client.add(f"{call}/{protocol.TERMINATED_EPOCH}", 1)
 
 
 @SLOW

@@ -199,10 +199,13 @@ def test_schema():
     assert role == "inprocess/job/g0"
     # short (it prefixes every key of a restart), one per role and call
     call = P.call_namespace(role, 2)
-    assert call.startswith("inprocess/") and call.endswith("/2") and len(call) <= 26
+    assert call.startswith("ip/") and call.endswith("/2") and len(call) <= 14
     assert call == P.call_namespace("inprocess/job/g0", 2) != P.call_namespace(role, 1)
     assert P.call_namespace(P.role_namespace("job/g1"), 2) != call
-    assert P.done_key(P.iteration_key(4, "termination")) == "iter/4/termination/d"
+    assert P.done_key(P.iteration_key(4, P.TERMINATION)) == "i4/t/d"
+    assert P.iteration_of_barrier(f"ip/x/0/{P.barrier_name(12, 3)}/assignment") == 12
+    assert P.iteration_of_barrier(P.barrier_name(2, 0)) == 2
+    assert P.iteration_of_barrier("ip/x/0/i4/t/assignment") is None
     assert P.split_identities(P.identity_record("0/0.a") + P.identity_record("1/0.b")) == [
         "0/0.a",
         "1/0.b",

@@ -144,7 +144,7 @@ def test_garbage_in_every_protocol_key_is_ignored_and_logged_once(tcp, caplog):
     store.send_heartbeat(A)
     keys = [k for k in stranger.list_keys() if not k.endswith("/faults")]
     names = {k.rsplit("/", 1)[-1] for k in keys}
-    assert {"membership", "fault_log", "terminated", "left", "join_requests", "outcome"} <= names
+    assert {"membership", "fault_log", "terminated", "left", "join_requests", P.OUTCOME} <= names
     assert {"latest_call", "wrapped"} <= names
     before = (
         store.membership(),
@@ -187,7 +187,7 @@ def test_garbage_in_every_protocol_key_is_ignored_and_logged_once(tcp, caplog):
             ]
     lines = _rejections(caplog)
     assert len(lines) == len(set(lines)), lines  # once per key
-    for name in ("membership", "fault_log", "terminated", "join_requests", "outcome", "wrapped"):
+    for name in ("membership", "fault_log", "terminated", "join_requests", P.OUTCOME, "wrapped"):
         assert sum(f"/{name}'" in line for line in lines) == 1, (name, lines)
     # the counters were raised; the counts read did not move
     assert store.fault_signal() > 3 and store.fault_count() == 3
@@ -198,7 +198,7 @@ def test_forged_records_of_absent_keys_decide_nothing(tcp):
     ns = "inprocess/job/g0/call0"
     # a stranger who guesses names writes first: a death, an outcome, a decision, a join
     stranger.set(f"{ns}/terminated/{A}", "forged")
-    stranger.set(f"{ns}/iter/0/outcome", "fault")
+    stranger.set(f"{ns}/{P.iteration_key(0, P.OUTCOME)}", "fault")
     stranger.set(P.done_key(f"{ns}/initial"), f"{A},")
     stranger.set(f"{ns}/completed/{B}", "0")
     stranger.set(f"{ns}/heartbeat/{B}", "99999")

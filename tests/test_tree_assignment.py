@@ -11,6 +11,7 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from inprocess import protocol as P
 from inprocess.exception import InternalError
 from inprocess.rank_assignment import (
     Layer,
@@ -408,7 +409,7 @@ def test_every_rank_reaches_the_same_assignment_and_retries_from_the_same_base()
     raw = HashStore()
 
     def ctxs(states: dict[int, State], iteration: int, attempt: int, terminated: set[int]):
-        store = PrefixStore(f"iter/{iteration}/barrier/{attempt}/assignment", raw)
+        store = PrefixStore(f"{P.barrier_name(iteration, attempt)}/assignment", raw)
         return {
             s.rank: RankAssignmentCtx(s.copy(), store, set(terminated))
             for s in states.values()
@@ -450,8 +451,8 @@ def test_every_rank_reaches_the_same_assignment_and_retries_from_the_same_base()
 def test_wrong_numbering_is_an_internal_error() -> None:
     tree = Tree([Layer()])
     state = State(rank=0, world_size=1)
-    store = PrefixStore("iter/0/barrier/0/assignment", HashStore())
+    store = PrefixStore(f"{P.barrier_name(0, 0)}/assignment", HashStore())
     tree(RankAssignmentCtx(state, store, set()))
-    later = PrefixStore("iter/1/barrier/0/assignment", HashStore())
+    later = PrefixStore(f"{P.barrier_name(1, 0)}/assignment", HashStore())
     with pytest.raises(InternalError, match="only rank assignment"):
         tree(RankAssignmentCtx(State(rank=0, world_size=2), later, set()))

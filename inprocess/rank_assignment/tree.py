@@ -28,9 +28,9 @@ import functools
 import heapq
 import json
 import logging
-import re
 from collections.abc import Callable, Sequence
 
+from .. import protocol
 from ..exception import InternalError
 from ..state import Mode, State
 from ..store import StoreMixin
@@ -747,14 +747,14 @@ class Tree(RankAssignment):
         """The index of the iteration this call assigns ranks for.
 
         The Wrapper's store for an assignment is prefixed with the iteration's
-        barrier name (``iter/<k>/barrier/<attempt>``); without it, the iteration
+        barrier name (:func:`inprocess.protocol.barrier_name`); without it, the iteration
         after the one in ``state`` (the first call: iteration 0).
         """
         prefix = getattr(ctx.store, "prefix", None)
         if isinstance(prefix, str):
-            match = re.search(r"(?:^|/)iter/(\d+)/barrier/", prefix)
-            if match:
-                return int(match.group(1))
+            iteration = protocol.iteration_of_barrier(prefix)
+            if iteration is not None:
+                return iteration
         # Without it a retried first call cannot be told from the second call.
         return ctx.state.iteration + (0 if self.topology is None else 1)
 
