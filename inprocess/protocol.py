@@ -345,25 +345,28 @@ def encode(
             "digest": membership_digest(decision.members),
         }
         if list(decision.members) == [p for p in participants if p in kept]:
-            data["removed"] = [p for p in participants if p not in kept]
+            removed = [p for p in participants if p not in kept]
+            if removed:
+                data["removed"] = removed
         else:
             data["members"] = list(decision.members)
     elif isinstance(decision, Members):
         data = {"members": list(decision.members), "baseline": decision.baseline}
     elif isinstance(decision, Termination):
         cause = decision.cause
-        data = {
-            "terminated": list(decision.terminated),
-            "joiners": list(decision.joiners),
+        data = {}
+        if decision.terminated:
+            data["terminated"] = list(decision.terminated)
+        if decision.joiners:
+            data["joiners"] = list(decision.joiners)
+        if cause is not None:
             # every rank reads it (to log it): the first line's start; the
             # fault log keeps the whole text for the report
-            "cause": None
-            if cause is None
-            else {"rank": cause.rank, "reason": cause.reason[:CAUSE_CHARS]},
-        }
+            data["cause"] = {"rank": cause.rank, "reason": cause.reason[:CAUSE_CHARS]}
     else:
         raise TypeError(f"not a decision of the protocol: {decision!r}")
-    return json.dumps(data)
+    # Compact (every rank reads it in every restart); empty fields are left out.
+    return json.dumps(data, separators=(",", ":"))
 
 
 def decode_membership(text: str, participants: Sequence[str] | None = None) -> MembershipDecision:
@@ -391,7 +394,7 @@ def decode_membership(text: str, participants: Sequence[str] | None = None) -> M
     if "members" in data:
         members = tuple(data["members"])
     else:
-        removed = set(data["removed"])
+        removed = set(data.get("removed", ()))
         members = tuple(p for p in participants if p not in removed)
     if membership_digest(members) != data["digest"]:
         raise MembershipMismatch(
@@ -405,8 +408,8 @@ def decode_termination(text: str) -> Termination:
     data = json.loads(text)
     cause = data.get("cause")
     return Termination(
-        tuple(data["terminated"]),
-        tuple(data["joiners"]),
+        tuple(data.get("terminated", ())),
+        tuple(data.get("joiners", ())),
         None if cause is None else RootCause(str(cause["rank"]), str(cause["reason"])),
     )
 
@@ -613,6 +616,11 @@ def membership(store: Any, call_ns: str) -> Membership | None:
 def terminated(store: Any, call_ns: str) -> list[str]:
     """The identities the call declared terminated, in order."""
     return [i for i in _records(store, f"{call_ns}/{TERMINATED}") if valid_identity(i)]
+
+
+def join_requests(store: Any, call_ns: str) -> list[str]:
+    """The identities that asked to join the call, in order."""
+    return [i for i in _records(store, f"{call_ns}/{JOIN_REQUESTS}") if valid_identity(i)]
 
 
 def fault_entry(identity: str, reason: str, time: float) -> str:

@@ -190,13 +190,23 @@ def check_after_run(launch: Launch) -> None:
 def test_worker_sigkill_relaunch_and_rejoin(tmp_path):
     """Rank 1, then rank 0 (the rank that speaks for the job) of one job: each
     killed worker's survivors go on in-process at world size 3, and its relaunched
-    process rejoins them at full size."""
+    process rejoins them at full size. Rank 0 dies with its monitor process (as
+    on a lost node, or by a signal to its process group): the controller, which
+    saw the worker's exit, declares it terminated, so the survivors need not wait
+    for its heartbeats to time out."""
     victims = (1, 0)
     with Launch(tmp_path, script_args=["--steps", "100000", "--step-time", "0.03"]) as launch:
         launch.wait_until(lambda: launch.training_under_the_wrapper(20), what="training")
         for victim in victims:
+            pid = launch.state()["workers"][str(victim)]["pid"]
+            monitors = psutil.Process(pid).children() if victim == 0 else []
+            for monitor in monitors:  # stopped first: it must not report the death
+                monitor.send_signal(signal.SIGSTOP)
             killed_at = time.time()
-            os.kill(launch.state()["workers"][str(victim)]["pid"], signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)
+            for monitor in monitors:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    monitor.kill()
             launch.wait_until(
                 lambda since=killed_at: launch.full_size_since(since),
                 what=f"full size again after rank {victim} was killed",
@@ -220,6 +230,12 @@ def test_worker_sigkill_relaunch_and_rejoin(tmp_path):
         )
         for victim in victims:
             assert {e["incarnation"] for e in events if e["rank"] == victim} == {0, 1}
+        log_text = Path(launch.log.name).read_text(errors="replace")
+        assert re.search(
+            r"root cause: rank 0/0\.\S+: terminated: its process was killed by SIGKILL "
+            r"\(seen by the job controller\)",
+            log_text,
+        ), log_text
         state = launch.state()
         restarts = {r: state["worker_restarts"].get(str(r), 0) for r in range(4)}
         expected = {r: int(r in victims or r in stuck) for r in range(4)}

@@ -378,6 +378,7 @@ class Controller:
         snapshot = self._read_job() if running else None
         events: list[policy.Event] = lost_nodes
         events += self._reports(snapshot) if snapshot else []
+        self._declare_dead(snapshot, exits, lost_nodes)
         for exit_ in exits:
             worker = self._worker_of_pid(exit_.pid)
             if worker is None:
@@ -402,6 +403,68 @@ class Controller:
             if dead is not None:
                 events.append(NoLiveMember(self.state.generation, dead))
         return events
+
+    def _declare_dead(
+        self,
+        snapshot: dict[str, Any] | None,
+        exits: list[ProcessExit],
+        lost_nodes: list[policy.Event],
+    ) -> None:
+        """Lists in the job's store, as terminated, the ranks of workers whose
+        process the controller saw end with a failure or whose node was lost.
+
+        The rank's own monitor process does so at once when it outlives its
+        rank; when both are gone (their node lost, a signal to the process
+        group, the OOM killer), the other ranks would otherwise wait for its
+        heartbeats to time out. Idempotent with the monitor's own report (the
+        first one stands), bounded like the reads (:data:`STORE_READ_TIMEOUT`).
+        """
+        if snapshot is None or self.state.wrapper_managed is not True or self._client is None:
+            return
+        from ..store import PrefixStore, incarnation_of, initial_rank_of
+
+        lost = {e.node: e.reason for e in lost_nodes if isinstance(e, NodeLost)}
+        dead: dict[tuple[int, int], str] = {}
+        for exit_ in exits:
+            worker = self._worker_of_pid(exit_.pid)
+            if worker is None:
+                continue
+            record = self.state.workers[worker]
+            if exit_.lost:
+                how = f"node {record.node} lost ({lost.get(record.node, exit_.lost)})"
+            elif record.status is WorkerStatus.STOPPING or (
+                exit_.exit_code == 0 and exit_.signal is None
+            ):
+                continue  # stopped on purpose, or finished
+            else:
+                ended = WorkerExited(worker, record.incarnation, exit_.exit_code, exit_.signal)
+                how = f"its process {ended.describe()}"
+            dead[(worker, record.incarnation)] = f"{how} (seen by the job controller)"
+        if not dead:
+            return
+        members = snapshot["membership"].members if snapshot["membership"] else ()
+        identities = [
+            i for i in (*members, *snapshot["join_requests"])
+            if (initial_rank_of(i), incarnation_of(i)) in dead
+        ]  # fmt: skip
+        if not identities:
+            return
+        role = protocol.role_namespace(namespace(self.spec.job_id, self.state.generation))
+        store = PrefixStore(protocol.call_namespace(role, snapshot["call"]), self._client)
+
+        def declare() -> None:
+            for identity in identities:
+                reason = dead[(initial_rank_of(identity), incarnation_of(identity))]
+                if store.mark_terminated(identity, reason):
+                    log.info("rank %s: declared terminated: %s", identity, reason)
+
+        try:
+            done, _ = self._reads.call(declare, STORE_READ_TIMEOUT)
+        except Exception as ex:  # the store is restarting or gone: the ranks' timeouts tell
+            log.debug("cannot declare dead ranks in the job's store: %s", ex)
+            return
+        if not done:
+            log.debug("the job's store did not answer within %.3gs", STORE_READ_TIMEOUT)
 
     def _lost_nodes(self, exits: list[ProcessExit]) -> list[policy.Event]:
         """One :class:`NodeLost` per node whose machine the backend saw lost."""
@@ -458,6 +521,7 @@ class Controller:
                 "call": latest,
                 "initial_done": protocol.initial_done(client, current),
                 "membership": protocol.membership(client, current),
+                "join_requests": protocol.join_requests(client, current),
                 "terminated": [],
                 "fault_log": [],
             }
