@@ -40,7 +40,7 @@ Read API
 Every value in the schema is a sealed record (:func:`inprocess.security.seal`,
 MAC'd under the job's secret and the key's full name); lists hold one record
 per entry. Readers, this module's read API included, use authentic records
-only; counters (``faults``, ``tepoch``, barrier counts) only wake
+only; counters (``faults``, ``te``, barrier counts) only wake
 readers. Validators here (:func:`valid_identity`, :meth:`Membership.parse`,
 :meth:`Arrival.parse`) turn what a record says into ``None`` rather than an
 exception when it is malformed.
@@ -75,7 +75,7 @@ LATEST_CALL = "latest_call"
 FAULTS = "faults"
 FAULT_LOG = "fault_log"
 TERMINATED = "terminated"
-TERMINATED_EPOCH = "tepoch"
+TERMINATED_EPOCH = "te"
 LEFT = "left"
 JOIN_REQUESTS = "join_requests"
 MEMBERSHIP = "membership"
@@ -314,7 +314,8 @@ CAUSE_CHARS = 160
 
 def membership_digest(members: Sequence[str]) -> str:
     """A short digest of an ordered membership: what a rank that derived one checks it with."""
-    return hashlib.blake2b("\n".join(members).encode(), digest_size=8).hexdigest()
+    digest = hashlib.blake2b("\n".join(members).encode(), digest_size=8).digest()
+    return base64.urlsafe_b64encode(digest).decode().rstrip("=")
 
 
 class MembershipMismatch(ValueError):

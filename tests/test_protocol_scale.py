@@ -218,13 +218,20 @@ def test_a_wait_for_peers_never_blocks_near_the_hard_timeout():
         store.wait_chunk_max = 0.2
         view = PrefixStore("assignment", store)
         for s in (store, view):
+            asked: list[float] = []
+            real_wait_for = s.wait_for
+
+            def wait_for(key, seconds, asked=asked, real_wait_for=real_wait_for):
+                asked.append(seconds)
+                return real_wait_for(key, seconds)
+
+            s.wait_for = wait_for
             waiter = _WakeWait(s, datetime.timedelta(seconds=1.2), 0.01)
-            blocked = []
             while waiter.remaining() > 0:
-                started = time.monotonic()
                 waiter.wait()
-                blocked.append(time.monotonic() - started)
-            # nobody wakes it: every wait ran its whole chunk, none longer than the cap
-            assert len(blocked) >= 5 and max(blocked) < 0.2 + 0.15, blocked
+            # nobody wakes it: it waited chunk after chunk, none longer than the cap
+            # (what it asked for: a loaded machine may return late)
+            assert asked and max(asked) <= 0.2, asked
+            del s.wait_for
     finally:
         del server
