@@ -484,11 +484,7 @@ class StoreMixin:
         """Proposes ``"completed"`` or ``"fault"`` for ``iteration``; returns what stands."""
         if outcome not in (P.COMPLETED, P.FAULT):
             raise ValueError(f"outcome must be {P.COMPLETED!r} or {P.FAULT!r}, got {outcome!r}")
-        # Read first: after a fault every rank's monitor thread proposes it, and
-        # a read that finds it decided carries no record of its own.
-        return self.outcome(iteration) or self.set_once(
-            P.iteration_key(iteration, P.OUTCOME), outcome
-        )[1]
+        return self.set_once(P.iteration_key(iteration, P.OUTCOME), outcome)[1]
 
     def mark_completed(self, identity: str, iteration: int) -> None:
         """Records that ``identity`` finished the job, so its exit is not a fault."""
