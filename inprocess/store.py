@@ -179,6 +179,10 @@ class BarrierTimeout(RestartTimeoutError):
     """A rendezvous did not complete within its timeout."""
 
 
+class BarrierRefused(StoreError):
+    """A counted barrier's arrivals were refused by the rank that completed it."""
+
+
 class BarrierOverflow(StoreError):
     """More ranks arrived at a rendezvous than it has participants."""
 
@@ -193,6 +197,9 @@ def key_path(store: Any, key: str) -> str:
         store = store.base_store
     return "/".join(reversed(parts))
 
+
+#: starts a counted barrier's decision that refuses the arrivals (no identity starts so)
+_REFUSED = "!"
 
 #: the expectation of :meth:`StoreMixin.get_or`'s compare-and-set: no value of ours
 #: (a sealed record starts with a newline) and no counter is ever this text; one
@@ -704,11 +711,15 @@ class StoreMixin:
         timeout: datetime.timedelta,
         poll_limit: float,
         on_wait: Callable[[], None] | None = None,
+        arrange: Callable[[list[str]], list[str]] | None = None,
     ) -> list[str]:
         """A barrier of ``count`` ranks whose identities are not known in advance.
 
-        Returns the identities of the arrived ranks in arrival order. Used once,
-        for the initial barrier of a call.
+        Returns the identities of the arrived ranks in arrival order, or as
+        ``arrange`` orders them: the rank that completes the barrier applies it
+        once, so the others receive the result (O(N) work once, not on every
+        rank). A ``ValueError`` it raises reaches every rank as a
+        :class:`BarrierRefused` with its message.
         """
         done_key = P.done_key(name)
         if not P.valid_name(identity):
@@ -721,16 +732,23 @@ class StoreMixin:
             arrived = [i for i in self.entries(P.arrivals_key(name)) if P.valid_name(i)]
             if len(arrived) > count:
                 raise BarrierOverflow(f"barrier {name!r}: {len(arrived)} arrivals for {count}")
-            if len(arrived) == count and self.set_once(done_key, P.SEP.join(arrived))[0]:
-                self.wake_waiters()
+            if len(arrived) == count:
+                try:
+                    text = P.SEP.join(arrange(arrived) if arrange is not None else arrived)
+                except ValueError as ex:
+                    text = _REFUSED + str(ex).replace("\n", " ")
+                if self.set_once(done_key, text)[0]:
+                    self.wake_waiters()
         try:
             published = self.wait_for_key(done_key, timeout, poll_limit, on_wait, sealed=True)
-            return P.split_identities(published)
         except RestartTimeoutError as ex:
             raise BarrierTimeout(
                 f"barrier {name!r} timed out after {timeout.total_seconds():.3g}s "
                 f"({self.counter(P.count_key(name))}/{count} arrived)"
             ) from ex
+        if published.startswith(_REFUSED):
+            raise BarrierRefused(f"barrier {name!r}: {published.removeprefix(_REFUSED)}")
+        return P.split_identities(published)
 
     def all_gather_lines(
         self,

@@ -77,6 +77,7 @@ from .rank_filter import RankFilter
 from .state import Mode, State
 from .store import (
     WAIT_CHUNK_MAX,
+    BarrierRefused,
     ClientSpec,
     Poller,
     PrefixStore,
@@ -792,19 +793,35 @@ class CallWrapper:
     def _initial_barrier(self) -> list[str]:
         """All launched ranks meet; returns their identities ordered by initial rank."""
         s = self.state
-        arrived = self.store.counted_barrier(
-            protocol.INITIAL,
-            self.identity,
-            s.initial_world_size,
-            _td(self._config.barrier_timeout),
-            self._restart_poll,
-        )
-        members = sorted(arrived, key=initial_rank_of)
-        ranks = [initial_rank_of(m) for m in members]
-        if ranks != list(range(s.initial_world_size)):
+        size = s.initial_world_size
+
+        def by_initial_rank(arrived: list[str]) -> list[str]:
+            # Run once, by the rank that completes the barrier: every other
+            # rank checks only its own place (O(1), not O(N) on each of N ranks).
+            members = sorted(arrived, key=initial_rank_of)
+            ranks = [initial_rank_of(m) for m in members]
+            if ranks != list(range(size)):
+                raise ValueError(
+                    f"initial ranks {ranks} are not 0..{size - 1}: "
+                    "check RANK and WORLD_SIZE of every process"
+                )
+            return members
+
+        try:
+            members = self.store.counted_barrier(
+                protocol.INITIAL,
+                self.identity,
+                size,
+                _td(self._config.barrier_timeout),
+                self._restart_poll,
+                arrange=by_initial_rank,
+            )
+        except BarrierRefused as ex:
+            raise InternalError(str(ex)) from None
+        if len(members) != size or members[s.initial_rank] != self.identity:
             raise InternalError(
-                f"initial ranks {ranks} are not 0..{s.initial_world_size - 1}: "
-                "check RANK and WORLD_SIZE of every process"
+                f"{self.identity}: not at its initial rank {s.initial_rank} of the "
+                f"initial membership of {len(members)}"
             )
         return members
 

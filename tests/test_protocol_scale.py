@@ -235,3 +235,39 @@ def test_a_wait_for_peers_never_blocks_near_the_hard_timeout():
             del s.wait_for
     finally:
         del server
+
+
+def test_initial_ranks_that_are_not_0_to_n_fail_every_rank_at_once():
+    """The rank that completes the initial barrier checks the initial ranks once for
+    all (the others check only their own place): a duplicate reaches every rank as
+    an error naming the ranks, not a wait."""
+    server = TCPStore(host_name="127.0.0.1", port=0, is_master=True, timeout=TD)
+    port = server.port
+    wrapper = Wrapper(abort=None, barrier_timeout=datetime.timedelta(seconds=600))
+    errors: dict[int, BaseException] = {}
+
+    def rank_main(index: int, initial_rank: int) -> None:
+        cw = CallWrapper(wrapper)
+        cw.state = State(rank=initial_rank, world_size=3)
+        cw.identity = new_identity(initial_rank)
+        cw.store = PrefixStore(NS, TCPStore(host_name="127.0.0.1", port=port))
+        try:
+            cw._initial_barrier()
+        except BaseException as ex:  # reported to the test
+            errors[index] = ex
+        finally:
+            cw.store = None
+
+    threads = [
+        threading.Thread(target=rank_main, args=(i, r)) for i, r in enumerate((0, 0, 2))
+    ]
+    for thread in threads:
+        thread.start()
+    try:
+        for thread in threads:
+            thread.join(120)
+    finally:
+        del server
+    assert sorted(errors) == [0, 1, 2], errors
+    for ex in errors.values():
+        assert isinstance(ex, InternalError) and "initial ranks [0, 0, 2] are not 0..2" in str(ex)
