@@ -420,6 +420,8 @@ class StoreMixin:
         Sound because a death is listed before the epoch is raised: a list read
         after epoch ``e`` was read holds every death that raised it to ``e``.
         """
+        if epoch == 0:
+            return set()  # nobody was ever listed: the epoch is raised after the listing
         cached = getattr(self, "_terminated_cache", None)
         if cached is None or cached[0] != epoch:
             cached = (epoch, frozenset(self.terminated()))
