@@ -670,14 +670,12 @@ class StoreMixin:
     def _arrivals(self, name: str) -> dict[str, str]:
         return self.by_identity(P.arrivals_key(name))
 
-    def _complete(self, name: str, members: Sequence[str], dead: set[str] | None = None) -> bool:
+    def _complete(self, name: str, members: Sequence[str]) -> bool:
         """Whether every member has arrived or is terminated (authentic records only);
         called once this rank's arrival is in (the arrivals key exists)."""
         arrived = self.by_identity(P.arrivals_key(name), raw=self.get(P.arrivals_key(name)))
         missing = [m for m in members if m not in arrived]
-        if not missing:
-            return True
-        return (self.terminated() if dead is None else dead).issuperset(missing)
+        return not missing or self.terminated().issuperset(missing)
 
     def _decide(
         self,
