@@ -95,6 +95,9 @@ def test_without_a_secret_the_mac_is_public(monkeypatch):
 def test_records_are_sealed_with_the_full_key_name(tcp):
     store, stranger = tcp
     store.put(P.MEMBERSHIP, P.Membership(0, (A,)).encode())
+    # torch's ``set`` does not wait for the server: a reply on the writer's own
+    # connection orders the write before the stranger's read on another one
+    assert store.check([P.MEMBERSHIP])
     full = "inprocess/job/g0/call0/" + P.MEMBERSHIP
     assert P.membership(stranger, "inprocess/job/g0/call0") == P.Membership(0, (A,))
     # the same record copied into another call's key is not authentic there
