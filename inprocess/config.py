@@ -107,14 +107,21 @@ class WrapperConfig:
 
         A tuple (or list) of callbacks is their composition (this also accepts the
         usage guide's ``rank_assignment=(Compose(...),)``); ``heartbeat_interval``
-        ``None`` means ``monitor_process_interval``.
+        ``None`` means a quarter of ``heartbeat_timeout`` (at least
+        ``monitor_process_interval``): four heartbeats per timeout, not one a
+        second from every rank.
         """
         a = dict(arguments)
         callbacks = ("initialize", "abort", "finalize", "health_check", "rank_assignment")
         for name in (*callbacks, "rank_filter", "completion", "terminate"):
             a[name] = _compose_sequence(a.get(name))
         if a["heartbeat_interval"] is None:
-            a["heartbeat_interval"] = a["monitor_process_interval"]
+            interval, timeout = a["monitor_process_interval"], a["heartbeat_timeout"]
+            durations = isinstance(interval, datetime.timedelta) and isinstance(
+                timeout, datetime.timedelta
+            )
+            # (wrong types are reported below, under their own names)
+            a["heartbeat_interval"] = max(interval, timeout / 4) if durations else interval
 
         store_factory = a["store_factory"]
         if not (isinstance(store_factory, type) and issubclass(store_factory, StoreMixin)):

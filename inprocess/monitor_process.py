@@ -28,6 +28,10 @@ number the child reuses). Otherwise it is started as a fresh interpreter
   abort, neither computing nor waiting for a core on a loaded machine) is
   SIGKILLed and recorded as "stuck in native code after the abort" with where
   it waits (``wchan``, system call), so the other ranks go on without it;
+* watches the call's faults for its rank's monitor thread: a thread with a
+  connection of its own blocks in the store until the next fault and writes
+  the fault count on the board, so a rank makes no store operation to learn of
+  a fault (a second of polling each before);
 * exits when its rank's Wrapper call ends, or right after reporting its rank's
   death, and a deadline bounds that report, so it never outlives its job.
 """
@@ -49,7 +53,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-from .progress_watchdog import ProgressBoard
+from .progress_watchdog import ProgressBoard, ring
 from .protocol import Peers
 
 log = logging.getLogger(__name__)
@@ -94,11 +98,13 @@ class MonitorConfig:
 @dataclass(frozen=True)
 class _Fds:
     """The pipes a monitor process inherits: the progress board, the parent's
-    control pipe (EOF: the parent is gone) and the pipe it reports ready on."""
+    control pipe (EOF: the parent is gone), the pipe it reports ready on and the
+    write end of the rank's doorbell (-1: none; rung after news on the board)."""
 
     board: int
     control: int
     ready: int
+    doorbell: int = -1
 
 
 class _ForkedChild:
@@ -141,9 +147,13 @@ def fork_is_safe() -> bool:
 class MonitorProcess:
     """Parent-side handle of a rank's monitor process."""
 
-    def __init__(self, config: MonitorConfig, board: ProgressBoard) -> None:
+    def __init__(
+        self, config: MonitorConfig, board: ProgressBoard, doorbell: int = -1
+    ) -> None:
         self.config = config
         self.board = board
+        #: write end of the rank's doorbell (the monitor thread waits on it; -1: none)
+        self.doorbell = doorbell
         self.process: subprocess.Popen[bytes] | _ForkedChild | None = None
         #: pid of the latest process started (a replaced one's too, see keep_alive)
         self.last_pid: int | None = None
@@ -183,7 +193,7 @@ class MonitorProcess:
         """Starts one child with ``launch``; whether it reported ready within ``timeout``."""
         control_r, control_w = os.pipe()
         ready_r, ready_w = os.pipe()
-        fds = _Fds(board=self.board.fd, control=control_r, ready=ready_w)
+        fds = _Fds(board=self.board.fd, control=control_r, ready=ready_w, doorbell=self.doorbell)
         try:
             launch(fds)
         except BaseException:
@@ -218,7 +228,7 @@ class MonitorProcess:
         )
 
     def _fork(self, fds: _Fds) -> None:
-        keep = {fds.board, fds.control, fds.ready}
+        keep = {fds.board, fds.control, fds.ready, fds.doorbell} - {-1}
         pid = os.fork()
         if pid == 0:  # the child: never returns
             code = 1
@@ -249,7 +259,7 @@ class MonitorProcess:
         process = subprocess.Popen(
             [sys.executable, "-m", "inprocess.monitor_process_main"],
             stdin=subprocess.PIPE,
-            pass_fds=(fds.board, fds.control, fds.ready),
+            pass_fds=tuple({fds.board, fds.control, fds.ready, fds.doorbell} - {-1}),
             env=env,
             start_new_session=True,
             close_fds=True,
@@ -303,6 +313,9 @@ class MonitorProcess:
                     log.warning(
                         "monitor process %d %s: starting a new one", self.process.pid, reason
                     )
+                    # Its fault watch is gone: the monitor thread reads the store
+                    # itself until the new process's watch writes a count.
+                    self.board.write_faults_seen(None)
                     self.process = None
                     for fd in (self._control_w, self._ready_r):
                         if fd is not None:
@@ -364,16 +377,21 @@ class _Guardian:
     def __init__(self, config: MonitorConfig, fds: _Fds) -> None:
         self.config = config
         self.control_fd = fds.control
+        self.doorbell_fd = fds.doorbell
         self.board = ProgressBoard(fds.board)
         self.parent_fd = os.pidfd_open(config.parent_pid)
         self.store: Any = None
         self.kill_started: float | None = None
         self.kill_escalated = False
         self.next_heartbeat = 0.0
-        # Peers are checked often enough to see a missing heartbeat within a
-        # twentieth of the timeout, not every interval: at scale every check
-        # costs the store a read per watched peer.
-        self.watch_period = max(config.interval, config.heartbeat_timeout / 20)
+        # Peers are checked as often as they beat (by default four times per
+        # timeout), not every interval: every check costs the store a read per
+        # watched peer. Invariant: a beat period plus a check period stays
+        # under the timeout, so a live peer's newest stamp is always seen in
+        # time (with the defaults, within half a timeout of the one before; a
+        # silent peer is declared within the timeout plus half of it).
+        beat, timeout = config.heartbeat_interval, config.heartbeat_timeout
+        self.watch_period = max(config.interval, min(beat, (timeout - beat) / 2))
         self.next_watch = 0.0
         self.peer_seen: dict[str, tuple[int, float]] = {}
         self.membership_iteration = -1
@@ -392,6 +410,12 @@ class _Guardian:
         raw = self.config.client.connect()
         self.store = PrefixStore(self.config.namespace, raw)
         self.store.send_heartbeat(self.config.identity)
+        threading.Thread(
+            target=_watch_faults,
+            args=(self.config, self.board, self.doorbell_fd),
+            name="fault-watch",
+            daemon=True,
+        ).start()
 
     def run(self) -> None:
         poller = select.poll()
@@ -554,6 +578,40 @@ _SYSCALLS = {
 }  # fmt: skip
 
 
+#: seconds a fault watch blocks in the store before it reads the counter again
+FAULT_WATCH_CHUNK = 30.0
+#: seconds between a fault watch's attempts to reach the store again
+FAULT_WATCH_RETRY = 2.0
+
+
+def _watch_faults(config: MonitorConfig, board: ProgressBoard, doorbell: int) -> None:
+    """The fault watch: a thread of the monitor process that learns of the call's faults
+    by blocking in the store and writes the fault count on the board, where the
+    rank's monitor thread reads it (no store operation of its own), then rings
+    the rank's doorbell so that it reads it at once.
+
+    It has a connection of its own (a wait blocks the client it runs on) and
+    lives as long as the process: the process's exit ends it, wherever it
+    blocks. While it cannot reach the store the board says no watch runs, and
+    the monitor thread reads the store itself.
+    """
+    from .store import PrefixStore
+
+    def publish(count: int) -> None:
+        board.write_faults_seen(count)  # the count first: the ring says "read it"
+        if doorbell >= 0:
+            ring(doorbell)
+
+    while True:
+        try:
+            store = PrefixStore(config.namespace, config.client.connect())
+            store.watch_faults(publish, FAULT_WATCH_CHUNK, config.interval)
+        except Exception as ex:
+            board.write_faults_seen(None)
+            log.warning("fault watch: the store is unavailable (%s); the rank reads it", ex)
+            time.sleep(FAULT_WATCH_RETRY)
+
+
 def _thread_activity(task_dir: str) -> tuple[bool, int]:
     """(runnable, user + system CPU time in clock ticks) of a thread; (False, 0) if unreadable.
 
@@ -613,6 +671,23 @@ def _configure_logging(config: MonitorConfig) -> None:
     logger.addHandler(handler)
 
 
+def _quiet_native_stderr() -> None:
+    """Drops what native code writes to this process's stderr; Python keeps it.
+
+    The fault watch's waits time out once a chunk, and torch's store client
+    writes two warning lines each time (to file descriptor 2, not through
+    Python): from every rank, on a quiet job, forever. What this process has
+    to say goes through Python's logging, which keeps the original stderr.
+    """
+    with contextlib.suppress(OSError, ValueError):
+        sys.stderr.flush()
+        kept = os.dup(2)
+        sys.stderr = os.fdopen(kept, "w", buffering=1, errors="backslashreplace")
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
+        os.close(devnull)
+
+
 def _sanitize_after_fork(keep: set[int]) -> None:
     """Drops what a forked child inherited and must not use."""
     gc.freeze()  # no finalizer of a parent object may run (and close a reused fd)
@@ -646,6 +721,7 @@ def run(config: MonitorConfig, fds: _Fds) -> int:
     """The monitor process's life: connect, report ready, watch until done."""
     # Lifecycle is driven by the parent (pipe, pidfd), not by terminal signals.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _quiet_native_stderr()
     _configure_logging(config)
     try:
         guardian = _Guardian(config, fds)

@@ -40,6 +40,8 @@ import types
 from collections.abc import Callable
 from typing import Any
 
+from .progress_watchdog import Doorbell
+
 log = logging.getLogger(__name__)
 
 #: signal used to interrupt a system call of the main thread; real-time signals
@@ -303,7 +305,11 @@ class Armed:
 
 
 class MonitorThread(threading.Thread):
-    """Watches the store and the progress watchdog for one Wrapper call.
+    """Watches for faults and the progress watchdog for one Wrapper call.
+
+    Faults are learned from the board, where the monitor process's fault watch
+    writes the call's fault count (it blocks in the store); only while no watch
+    runs does this thread read the store's fault counter itself, each interval.
 
     Invariants (enforced with ``lock``, the lock :meth:`CallWrapper.atomic` uses):
 
@@ -327,6 +333,8 @@ class MonitorThread(threading.Thread):
         soft_timeout: float,
         stalled_for: Callable[[], float],
         abort: Callable[[Any], Any] | None,
+        faults_seen: Callable[[], int | None] = lambda: None,
+        doorbell: Doorbell | None = None,
         interrupt: InterruptSignal,
         on_interrupt: Callable[[], None] | None = None,
         on_resend: Callable[[], Any] | None = None,
@@ -340,6 +348,9 @@ class MonitorThread(threading.Thread):
         self.last_call_wait = last_call_wait
         self.soft_timeout = soft_timeout
         self.stalled_for = stalled_for
+        #: the call's fault count as the monitor process's fault watch last read it
+        #: (``None``: no watch runs, and this thread reads the store itself)
+        self.faults_seen = faults_seen
         self.abort = abort
         self.interrupt = interrupt
         #: called under ``lock`` just before the restart exception is sent
@@ -352,16 +363,29 @@ class MonitorThread(threading.Thread):
         self._confirmed_for: Armed | None = None
         self._signal = -1
         self._stop_event = threading.Event()
-        self._wake = threading.Event()
+        #: wakes this thread before its interval ends: rung by arm and shutdown,
+        #: and by the monitor process when it wrote a new fault count
+        self._wake = doorbell if doorbell is not None else Doorbell()
+        self._own_doorbell = doorbell is None
 
     # ---------------------------------------------------------------- main thread side
 
     def arm(self, iteration: int, baseline: int, state: Any) -> Armed:
+        """Enters the interruptible region (see :meth:`enter`); returns the armed iteration."""
         armed = Armed(iteration, baseline, state)
+        self.enter(armed)
+        return armed
+
+    def enter(self, armed: Armed) -> None:
+        """Enters the interruptible region for ``armed``.
+
+        The restart exception may land anywhere from the moment the lock is
+        released, this method's own last bytecodes included: call it inside the
+        ``try`` that catches the exception.
+        """
         with self.lock:
             self._armed = armed
-        self._wake.set()
-        return armed
+        self._wake.ring()
 
     def disarm(self) -> Armed | None:
         """Leaves the interruptible region; returns the iteration that was armed.
@@ -392,16 +416,20 @@ class MonitorThread(threading.Thread):
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop_event.set()
-        self._wake.set()
+        self._wake.ring()
         if self.is_alive():
             self.join(timeout)
+        if self._own_doorbell and not self.is_alive():
+            self._wake.close()
 
     # ---------------------------------------------------------------- monitor thread side
 
     def run(self) -> None:
+        look_now = False
         while not self._stop_event.is_set():
-            self._wake.wait(self.interval)
-            self._wake.clear()
+            if not look_now:
+                self._wake.wait(self.interval)
+            look_now = False
             armed = self._armed
             if armed is None or armed.interrupted or armed.acked or self._stop_event.is_set():
                 continue
@@ -422,6 +450,9 @@ class MonitorThread(threading.Thread):
             if self._stop_event.wait(self.last_call_wait):
                 return
             self._interrupt(armed, cause)
+            # Its re-send loop took the rings meant for this loop (the next
+            # iteration armed, a fault after it): look again at once.
+            look_now = True
 
     def _check(self, armed: Armed) -> str | None:
         stalled = self.stalled_for()
@@ -430,6 +461,9 @@ class MonitorThread(threading.Thread):
             log.warning("%s: %s", self.identity, reason)
             self.store.record_fault(self.identity, reason)
             return reason
+        seen = self.faults_seen()
+        if seen is not None:
+            return "fault reported" if seen > armed.baseline else None
         # The counter only wakes: anyone can add to it. The authentic fault
         # log confirms (read once per change of the counter, and once per
         # armed iteration: its baseline may be behind already).
@@ -465,11 +499,21 @@ class MonitorThread(threading.Thread):
         # first re-send on: a thread blocked in a collective is released by the
         # abort, and a signal arriving inside torch's wait can turn the
         # exception into a SystemError.
+        # It waits on the doorbell, so the next iteration's arm ends it at once
+        # (a fault right after a restart is not held back by this loop); a ring
+        # before the re-send is due sends nothing.
         resend = max(self.interval, 0.005)
-        while not self._stop_event.wait(resend):
+        next_send = time.monotonic() + resend
+        while True:
+            self._wake.wait(next_send - time.monotonic())
+            if self._stop_event.is_set():
+                return
             with self.lock:
                 if self._armed is not armed or armed.acked:
                     return
+                if time.monotonic() < next_send:
+                    continue
+                next_send = time.monotonic() + resend
                 if import_wait.holds(self.target_thread_id):
                     continue
                 async_raise(self.target_thread_id, RankShouldRestart)

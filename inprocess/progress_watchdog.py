@@ -45,12 +45,14 @@ reads to enforce the hard timeout.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import datetime
 import logging
 import mmap
 import os
+import select
 import threading
 import time
 from typing import Any
@@ -100,8 +102,10 @@ class ProgressBoard:
     Aligned 8-byte words: auto timestamp (the hard clock's reference: the
     rank has made no progress for ``now - auto``), manual timestamp (doubles),
     manual active, iteration, finished flag (int64), the bounded-unwind clock
-    (double) and where the Wrapper is (:data:`PHASES`, int64: what a monitor
-    process that ends the rank says it was doing); then a small text area
+    (double), where the Wrapper is (:data:`PHASES`, int64: what a monitor
+    process that ends the rank says it was doing) and the call's fault count
+    as the monitor process's fault watch last read it (int64, plus one: 0
+    while no watch runs); then a small text area
     (:meth:`write_text`: the peers the monitor process watches, handed over
     here rather than through the store). Each is written with one
     8-byte store through a typed memoryview, so a reader in the other process
@@ -110,10 +114,19 @@ class ProgressBoard:
     zeros; they once read as "no progress since boot" and killed a healthy rank.)
     """
 
-    _WORDS = 9
-    _AUTO, _MANUAL, _ACTIVE, _ITERATION, _FINISHED, _UNWIND, _PHASE, _TEXT_SEQ, _TEXT_LEN = range(
-        _WORDS
-    )
+    _WORDS = 10
+    (
+        _AUTO,
+        _MANUAL,
+        _ACTIVE,
+        _ITERATION,
+        _FINISHED,
+        _UNWIND,
+        _PHASE,
+        _TEXT_SEQ,
+        _TEXT_LEN,
+        _FAULTS_SEEN,
+    ) = range(_WORDS)
     #: bytes of the text area (the peers the monitor process watches: two identities)
     TEXT_BYTES = 1024
     _TEXT_AT = _WORDS * 8
@@ -181,6 +194,15 @@ class ProgressBoard:
             time.sleep(0)
         return None
 
+    def write_faults_seen(self, count: int | None) -> None:
+        """The call's fault count as the fault watch read it (``None``: no watch runs:
+        the rank reads the store itself)."""
+        self._ints[self._FAULTS_SEEN] = 0 if count is None else count + 1
+
+    def faults_seen(self) -> int | None:
+        value = self._ints[self._FAULTS_SEEN]
+        return value - 1 if value > 0 else None
+
     def write_phase(self, phase: str) -> None:
         """Where the Wrapper is now, one of :data:`PHASES`."""
         self._ints[self._PHASE] = PHASES.index(phase)
@@ -209,6 +231,46 @@ class ProgressBoard:
         self._ints.release()
         self._map.close()
         os.close(self.fd)
+
+
+class Doorbell:
+    """A wake-up that another process can ring: a non-blocking pipe, what
+    ``threading.Event`` is within one process.
+
+    The rank's monitor thread waits on it; its monitor process (which inherits
+    :attr:`write_fd`) rings it when it has written news on the board, so the
+    thread reads the board at once rather than at its next interval.
+    """
+
+    def __init__(self) -> None:
+        self.read_fd, self.write_fd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._poll = select.poll()
+        self._poll.register(self.read_fd, select.POLLIN)
+
+    def ring(self) -> None:
+        ring(self.write_fd)
+
+    def wait(self, timeout: float) -> bool:
+        """Blocks until rung or ``timeout`` seconds passed; whether it was rung. Rings
+        before the call count (the pipe keeps them); all are consumed."""
+        rung = bool(self._poll.poll(max(timeout, 0.0) * 1000))
+        if rung:
+            with contextlib.suppress(BlockingIOError, OSError):
+                while os.read(self.read_fd, 4096):
+                    pass
+        return rung
+
+    def close(self) -> None:
+        for fd in (self.read_fd, self.write_fd):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def ring(fd: int) -> None:
+    """Rings the :class:`Doorbell` whose write end is ``fd``; never blocks (a full
+    pipe is rung already) and never raises (a closed one has nobody to wake)."""
+    with contextlib.suppress(OSError):
+        os.write(fd, b"\0")
 
 
 class ProgressWatchdog(threading.Thread):

@@ -80,6 +80,7 @@ LEFT = "left"
 JOIN_REQUESTS = "join_requests"
 MEMBERSHIP = "membership"
 WAKE_SEQ = "wseq"  # counter of the call's wake-ups (see store.StoreMixin.wake_waiters)
+FAULT_WAKE = "fw"  # fault wake-ups: see fault_wake_key
 HOSTED = "hosted"  # set by a rank that hosts the call's store server
 INITIAL = "initial"  # the initial barrier's name
 PHASES = "phases"  # per iteration: each survivor's restart phases (one JSON line each)
@@ -143,6 +144,12 @@ def iteration_of_barrier(prefix: str) -> int | None:
 def wake_key(k: int) -> str:
     """The key the ``k``-th wake-up of a call sets (waiters block on the next one)."""
     return f"w/{k}"
+
+
+def fault_wake_key(k: int) -> str:
+    """The key set by whoever raised the call's fault counter to ``k`` (a fault watch
+    blocks on the next one; see ``store.StoreMixin.signal_fault``)."""
+    return f"{FAULT_WAKE}/{k}"
 
 
 # A rendezvous' keys are short: every waiter sends them in every restart.

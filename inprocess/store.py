@@ -381,7 +381,53 @@ class StoreMixin:
     def record_fault(self, identity: str, reason: str) -> int:
         """Records a fault attributed to ``identity``; returns the fault counter."""
         self._log_fault(identity, reason)
-        return int(self.add(P.FAULTS, 1))
+        return self.signal_fault()
+
+    def signal_fault(self) -> int:
+        """Raises the fault counter and wakes the fault watches; returns the counter.
+
+        Invariant: whoever raises the counter to ``k`` sets ``fw/<k>`` right
+        after, so a watch that read the counter as ``s`` and then blocks on
+        ``fw/<s+1>`` wakes at the next fault (:meth:`watch_faults`). The log
+        entry is appended before, on this same connection: a watch that wakes
+        reads it.
+        """
+        k = int(self.add(P.FAULTS, 1))
+        self.set(P.fault_wake_key(k), "1")
+        return k
+
+    def watch_faults(
+        self,
+        publish: Callable[[int], None],
+        chunk: float,
+        pause: float,
+        stop: Callable[[], bool] = lambda: False,
+    ) -> None:
+        """Calls ``publish(fault count)`` now and after every fault, blocking in the store
+        in between; returns when ``stop()`` is true after a wait.
+
+        No polling: one wait per fault or per ``chunk`` seconds, then one read
+        of the counter (and of the log when it changed). The counter is read
+        before the log, so a fault recorded after that read raises it past
+        ``s`` and its wake-up key is one this watch waits on or has passed. A
+        wake-up lost (a recorder that died between its two operations) or
+        skipped (a stranger's add, which sets no key) costs at most ``chunk``;
+        a forged wake-up key (it exists, the counter did not move) costs a
+        ``pause``, never a spin. Blocks its client: give it a connection of
+        its own.
+        """
+        seq, published = self.fault_signal(), None
+        while True:
+            if seq != published:
+                publish(self.fault_count())
+                published = seq
+            woke = self.wait_for(P.fault_wake_key(seq + 1), chunk)
+            if stop():
+                return
+            newest = self.fault_signal()
+            if woke and newest <= seq:
+                time.sleep(pause)
+            seq = newest
 
     def _log_fault(self, identity: str, reason: str) -> None:
         self.add_entry(P.FAULT_LOG, P.fault_entry(identity, reason, time.time()).rstrip("\n"))
@@ -406,7 +452,7 @@ class StoreMixin:
             self._log_fault(identity, P.TERMINATED_PREFIX + reason)
             self.add_entry(P.TERMINATED, P.check_identity(identity))
             self.add(P.TERMINATED_EPOCH, 1)
-            self.add(P.FAULTS, 1)
+            self.signal_fault()
             self.wake_waiters()  # a rendezvous may be complete without its arrival
         return won
 

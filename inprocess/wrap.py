@@ -71,7 +71,7 @@ from .health_check.restart import (
 from .initialize import Initialize
 from .monitor_process import WATCHED_PEERS, MonitorConfig, MonitorProcess
 from .monitor_thread import InterruptSignal, MonitorThread, RankShouldRestart
-from .progress_watchdog import ProgressBoard, ProgressWatchdog
+from .progress_watchdog import Doorbell, ProgressBoard, ProgressWatchdog
 from .rank_assignment import RankAssignment, RankDiscarded
 from .rank_filter import RankFilter
 from .state import Mode, State
@@ -172,8 +172,9 @@ class Wrapper:
             rank's process with SIGTERM; waiting for peers in the restart
             procedure does not count.
         heartbeat_timeout: a rank whose heartbeats stop for this long is terminated.
-        heartbeat_interval: how often the monitor process sends heartbeats
-            (default: ``monitor_process_interval``).
+        heartbeat_interval: how often the monitor process sends heartbeats and
+            checks its peers' (default: a quarter of ``heartbeat_timeout``, at
+            least ``monitor_process_interval``).
         barrier_timeout: timeout of the restart procedure's barriers.
         completion_timeout: how long finished ranks wait for the others.
         last_call_wait: collects concurrent faults before interrupting.
@@ -625,6 +626,9 @@ class CallWrapper:
         board = ProgressBoard()
         cleanup.callback(board.close)
         self._board = board
+        # rung by the monitor process's fault watch: the monitor thread reads the board then
+        doorbell = Doorbell()
+        cleanup.callback(doorbell.close)  # (after the monitor thread and process have stopped)
         monitor = MonitorProcess(
             MonitorConfig(
                 identity=self.identity,
@@ -648,6 +652,7 @@ class CallWrapper:
                 ),
             ),
             board,
+            doorbell.write_fd,
         )
         monitor.start(timeout=c.barrier_timeout)
         cleanup.callback(monitor.shutdown)
@@ -686,6 +691,9 @@ class CallWrapper:
             last_call_wait=c.last_call_wait,
             soft_timeout=c.soft_timeout,
             stalled_for=self._watchdog.stalled_for,
+            # learned from the monitor process's fault watch, not read from the store
+            faults_seen=board.faults_seen,
+            doorbell=doorbell,
             on_interrupt=self._watchdog.freeze,
             # a gloo initialization that a faulted peer left waiting (see there)
             on_resend=functools.partial(complete_stranded_gloo_init, threading.get_ident()),
@@ -1023,9 +1031,10 @@ class CallWrapper:
         self._board.write_phase("function")
         self._watchdog.resume(current.index)
         monitor = self._monitor
-        armed = monitor.arm(current.index, current.baseline, self.state)
+        armed = _mt.Armed(current.index, current.baseline, self.state)
         outcome = _Result()
         try:
+            monitor.enter(armed)  # inside the try: the exception may land in it already
             self._initialize()
             if self._config.health_check is not None:
                 # A check failing here is a fault of this iteration: it takes the

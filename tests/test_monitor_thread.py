@@ -340,9 +340,10 @@ def test_soft_timeout_records_a_fault():
     store = HashStore()
     monitor, _, _ = make_monitor(store, soft_timeout=0.05, stalled_for=lambda: 1.0)
     try:
-        monitor.arm(0, store.fault_count(), state=None)
         with pytest.raises(RankShouldRestart):
             try:
+                # the fault stands before arming: the exception may land in arm() already
+                monitor.arm(0, store.fault_count(), state=None)
                 spin(60)
             finally:
                 # the monitor re-sends until disarmed: disarm where a re-send is caught

@@ -67,7 +67,8 @@ def test_defaults_and_heartbeat_interval():
     assert w.termination_grace_time == td(seconds=5)
     assert isinstance(w.abort, inprocess.abort.AbortTorchDistributed)
     assert isinstance(w.rank_assignment, inprocess.rank_assignment.ShiftRanks)
-    assert w.heartbeat_interval == w.monitor_process_interval
+    assert w.heartbeat_interval == w.heartbeat_timeout / 4  # four beats per timeout
+    assert inprocess.Wrapper(heartbeat_timeout=td(seconds=2)).heartbeat_interval == td(seconds=1)
     w2 = inprocess.Wrapper(heartbeat_interval=td(seconds=2))
     assert w2.heartbeat_interval == td(seconds=2)
     # each Wrapper gets its own default abort
