@@ -198,6 +198,14 @@ def key_path(store: Any, key: str) -> str:
     return "/".join(reversed(parts))
 
 
+def _waits_in_server(store: Any) -> bool:
+    """Whether ``store``'s ``wait`` blocks in a server (torch's ``TCPStore``) rather than
+    polling in the client."""
+    while isinstance(store, PrefixStore):
+        store = store.base_store
+    return isinstance(store, dist.TCPStore)
+
+
 #: starts a counted barrier's decision that refuses the arrivals (no identity starts so)
 _REFUSED = "!"
 
@@ -279,21 +287,24 @@ class StoreMixin:
 
     # ------------------------------------------------------------------ sealed records
 
-    def path(self, key: str) -> str:
-        """The full name of ``key`` in the store (what its records are sealed with)."""
+    def full_key(self, key: str) -> str:
+        """The full name of ``key`` in the store (what its records are sealed with).
+
+        Not ``path``: torch's ``FileStore`` has a ``path`` property (its file),
+        which would hide the method there."""
         return key_path(self, key)
 
     def put(self, key: str, value: str) -> None:
         """Sets ``key`` to one sealed record of ``value``."""
-        self.set(key, seal(self.path(key), value))
+        self.set(key, seal(self.full_key(key), value))
 
     def add_entry(self, key: str, value: str) -> None:
         """Appends one sealed record of ``value`` to the list at ``key``."""
-        self.append(key, seal(self.path(key), value))
+        self.append(key, seal(self.full_key(key), value))
 
     def decode_entries(self, key: str, raw: bytes | str | None) -> list[str]:
         """The authentic records of a raw value read from ``key``."""
-        return open_records(self.path(key), raw)
+        return open_records(self.full_key(key), raw)
 
     def entries(self, key: str) -> list[str]:
         """The authentic records at ``key`` in order (repeats once); ``[]`` when absent."""
@@ -311,7 +322,7 @@ class StoreMixin:
             if P.valid_identity(entry):
                 found.append(entry)
             else:
-                reject(self.path(key), "a malformed identity")
+                reject(self.full_key(key), "a malformed identity")
         return found
 
     def set_once(self, key: str, value: str) -> tuple[bool, str]:
@@ -325,7 +336,7 @@ class StoreMixin:
         """
         if not value:
             raise ValueError("set_once needs a non-empty value")
-        record = seal(self.path(key), value)
+        record = seal(self.full_key(key), value)
         # One round trip when the key is new (the common case): the record is
         # then its first. Else the first authentic record there stands; only
         # if there is none (a stranger wrote the key first) is ours appended.
@@ -350,7 +361,7 @@ class StoreMixin:
         """
         self.put(f"{role}/{P.WRAPPED}", "1")
         key = f"{role}/{P.LATEST_CALL}"
-        wanted = seal(self.path(key), str(call))
+        wanted = seal(self.full_key(key), str(call))
         raw = self.get_or(key)
         for _ in range(100):  # bounded: a stranger rewriting the key must not hold a rank here
             seen = P.int_or_none(P.first_or_none(self.decode_entries(key, raw)))
@@ -414,14 +425,21 @@ class StoreMixin:
         skipped (a stranger's add, which sets no key) costs at most ``chunk``;
         a forged wake-up key (it exists, the counter did not move) costs a
         ``pause``, never a spin. Blocks its client: give it a connection of
-        its own.
+        its own. A store whose ``wait`` polls in the client (``FileStore``,
+        every 10 ms) is looked at every ``pause`` instead.
         """
+        served = _waits_in_server(self)
         seq, published = self.fault_signal(), None
         while True:
             if seq != published:
                 publish(self.fault_count())
                 published = seq
-            woke = self.wait_for(P.fault_wake_key(seq + 1), chunk)
+            key = P.fault_wake_key(seq + 1)
+            if served:
+                woke = self.wait_for(key, chunk)
+            else:
+                time.sleep(pause)
+                woke = self.check([key])
             if stop():
                 return
             newest = self.fault_signal()
@@ -524,7 +542,7 @@ class StoreMixin:
         self.put(P.MEMBERSHIP, P.Membership(iteration, tuple(members)).encode())
 
     def membership(self) -> tuple[int, list[str]] | None:
-        published = P.Membership.parse(self.read(P.MEMBERSHIP), self.path(P.MEMBERSHIP))
+        published = P.Membership.parse(self.read(P.MEMBERSHIP), self.full_key(P.MEMBERSHIP))
         if published is None:
             return None
         return published.iteration, list(published.members)
@@ -564,7 +582,7 @@ class StoreMixin:
             if P.valid_name(identity):
                 found.setdefault(identity, value)
             else:
-                reject(self.path(key), "a malformed identity")
+                reject(self.full_key(key), "a malformed identity")
         return found
 
     # ------------------------------------------------------------------ rendezvous

@@ -188,3 +188,21 @@ def test_stores_describe_how_to_reach_them(tmp_path):
         assert prefixed.client_spec().kwargs["prefix"] == "job"
     finally:
         del server, file_store, prefixed
+
+
+@pytest.mark.timeout(120)
+def test_a_file_store_job_restarts_and_completes(single_rank, tmp_path):
+    """``store_factory=FileStore`` (a single-host job): sealed records, the monitor
+    process's fault watch and a restart all work over the file."""
+    from inprocess.store import FileStore
+
+    @fast_wrapper(
+        store_factory=FileStore, store_kwargs={"file_name": str(tmp_path / "store")}
+    )
+    def train(call_wrapper: inprocess.CallWrapper = None):
+        if call_wrapper.iteration == 0:
+            raise RuntimeError("restart once")
+        return call_wrapper.iteration
+
+    assert train() == 1
+    assert live_stores() == []

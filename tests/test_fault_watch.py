@@ -23,7 +23,7 @@ from test_monitor_thread import HashStore, make_monitor, spin
 from inprocess import protocol as P
 from inprocess.monitor_thread import RankShouldRestart
 from inprocess.progress_watchdog import Doorbell, ProgressBoard
-from inprocess.store import PrefixStore
+from inprocess.store import FileStore, PrefixStore
 from inprocess.store import TCPStore as WrapperTCPStore
 
 NS = "ip/test/0"
@@ -190,3 +190,29 @@ def test_the_doorbell_wakes_the_monitor_thread_long_before_its_interval():
     finally:
         monitor.shutdown()
         bell.close()
+
+
+def test_over_a_file_store_the_watch_looks_every_pause(tmp_path):
+    # FileStore's wait polls the file every 10 ms in the client: the watch looks
+    # once per pause instead, and still hears of every fault
+    store = FileStore(str(tmp_path / "store"))
+    board = ProgressBoard()
+    stopping = []
+    thread = threading.Thread(
+        target=store.watch_faults,
+        args=(board.write_faults_seen, 60.0, 0.2, lambda: bool(stopping)),
+        daemon=True,
+    )
+    thread.start()
+    try:
+        writer = FileStore(str(tmp_path / "store"))
+        writer.record_fault("1/0.aaaaaaaaaa", "RuntimeError: boom")
+        deadline = time.monotonic() + 10
+        while board.faults_seen() != 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert board.faults_seen() == 1
+    finally:
+        stopping.append(True)
+        thread.join(10)
+        board.close()
+    assert not thread.is_alive()
