@@ -163,7 +163,11 @@ class Wrapper:
         health_check: rank-local check after a fault; raising excludes the rank.
         rank_assignment: computes the next ranks; default ``ShiftRanks()``.
         rank_filter: selects the active ranks; the others are spares.
-        monitor_thread_interval: how often the store is polled for faults.
+        monitor_thread_interval: how often the monitor thread looks for faults
+            (on the board its monitor process writes: the store itself only
+            while no monitor process watches it) and re-sends an unacknowledged
+            restart exception; a fault the monitor process hears of wakes it
+            at once.
         monitor_process_interval: how often the monitor process checks its rank.
         progress_watchdog_interval: how often automatic heartbeats are issued.
         soft_timeout: no progress for this long restarts the job in-process.
