@@ -193,7 +193,10 @@ def classify(reason: str) -> str:
         return "heartbeat"
     if "timeout" in text:  # soft timeout, hard timeout, completion timeout
         return "hang"
-    if text.startswith("process died"):
+    if text.startswith(("process died", "its process ")):
+        # its monitor process's report of the death, or the job controller's
+        # ("its process was killed by SIGKILL (seen by the job controller)"):
+        # the first to arrive stands, so both must read alike
         return "signal"
     if text.startswith("health check") or "unhealthy" in text:
         return "unhealthy"

@@ -46,6 +46,9 @@ def test_records_path_argument_wins_over_the_environment(monkeypatch, tmp_path):
     [
         ("RuntimeError: injected fault", "exception"),
         ("terminated: process died", "signal"),
+        # the job controller's report of the same death (whichever comes first stands)
+        ("terminated: its process was killed by SIGKILL (seen by the job controller)", "signal"),
+        ("terminated: its process exited with code 3 (seen by the job controller)", "signal"),
         ("soft timeout: no progress for 2.01s", "hang"),
         ("terminated: killed by the hard timeout (9s without progress)", "hang"),
         ("completion timeout (60s)", "hang"),
