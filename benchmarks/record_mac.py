@@ -17,6 +17,7 @@ import os
 import statistics
 import time
 
+from inprocess import protocol as P
 from inprocess import security
 
 
@@ -37,7 +38,9 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()
     os.environ[security.JOB_SECRET_ENV] = "benchmark-secret"
-    key = "inprocess/job-x/g0/0123456789abcdef0123456789abcdef/call0/iter/3/termination/arrivals"
+    # a real key: a termination barrier's arrivals, under a job's call namespace
+    role = P.role_namespace("job-x/g0/0123456789abcdef0123456789abcdef")
+    key = f"{P.call_namespace(role, 0)}/{P.arrivals_key(P.iteration_key(3, P.TERMINATION))}"
     text = "12/0.0123456789="
     record = security.seal(key, text)
     listing = "".join(security.seal(key, f"{i}/0.0123456789=rank") for i in range(args.entries))
