@@ -417,8 +417,9 @@ class StoreMixin:
         """Calls ``publish(fault count)`` now and after every fault, blocking in the store
         in between; returns when ``stop()`` is true after a wait.
 
-        No polling: one wait per fault or per ``chunk`` seconds, then one read
-        of the counter (and of the log when it changed). The counter is read
+        No polling: one wait per fault (faults that follow within ``pause`` of
+        one published are read together) or per ``chunk`` seconds, then one
+        read of the counter (and of the log when it changed). The counter is read
         before the log, so a fault recorded after that read raises it past
         ``s`` and its wake-up key is one this watch waits on or has passed. A
         wake-up lost (a recorder that died between its two operations) or
@@ -432,8 +433,16 @@ class StoreMixin:
         seq, published = self.fault_signal(), None
         while True:
             if seq != published:
+                first = published is None
                 publish(self.fault_count())
                 published = seq
+                if not first:
+                    # At most one look per pause while faults keep coming: when a
+                    # rank dies in a collective, each of N peers records a fault,
+                    # and a watch woken by each would cost the store N² reads. The
+                    # first fault is heard at once; a burst costs each watch a read
+                    # per pause, as the polling it replaced did.
+                    time.sleep(pause)
             key = P.fault_wake_key(seq + 1)
             if served:
                 woke = self.wait_for(key, chunk)

@@ -216,3 +216,22 @@ def test_over_a_file_store_the_watch_looks_every_pause(tmp_path):
         thread.join(10)
         board.close()
     assert not thread.is_alive()
+
+
+def test_a_burst_of_faults_costs_a_watch_a_look_per_pause(server):
+    # N peers of a dead rank record a fault each: the watch hears of the first at
+    # once and reads the rest together, a look per pause, not a wake-up per fault
+    port, store, _ = server
+    watch = Watch(port, chunk=60.0, pause=0.5)
+    try:
+        assert watch.seen_within(0, 10)
+        ops = watch.client.ops
+        start = time.monotonic()
+        for i in range(40):
+            store.record_fault(f"{i}/0.aaaaaaaaaa", "RuntimeError: Connection closed by peer")
+            time.sleep(0.025)
+        looks = (time.monotonic() - start) / 0.5 + 2
+        assert watch.seen_within(40, 10)
+        assert watch.client.ops - ops <= 3 * looks, (watch.client.ops - ops, looks)
+    finally:
+        watch.stop(store)
