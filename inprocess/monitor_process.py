@@ -602,13 +602,18 @@ def _watch_faults(config: MonitorConfig, board: ProgressBoard, doorbell: int) ->
         if doorbell >= 0:
             ring(doorbell)
 
+    down = False  # logged once per outage, not every retry
     while True:
         try:
             store = PrefixStore(config.namespace, config.client.connect())
+            down = False
             store.watch_faults(publish, FAULT_WATCH_CHUNK, config.interval)
         except Exception as ex:
             board.write_faults_seen(None)
-            log.warning("fault watch: the store is unavailable (%s); the rank reads it", ex)
+            (log.debug if down else log.warning)(
+                "fault watch: the store is unavailable (%s); the rank reads it", ex
+            )
+            down = True
             time.sleep(FAULT_WATCH_RETRY)
 
 

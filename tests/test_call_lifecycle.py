@@ -70,6 +70,19 @@ def fast_wrapper(**kwargs):
     )
 
 
+def _restarts_once(wrapper: inprocess.Wrapper) -> bool:
+    """Whether a function under ``wrapper`` that raises in its first iteration
+    completes in its second."""
+
+    @wrapper
+    def train(call_wrapper: inprocess.CallWrapper = None):
+        if call_wrapper.iteration == 0:
+            raise RuntimeError("restart once")
+        return call_wrapper.iteration
+
+    return train() == 1
+
+
 def _listening(port: int) -> bool:
     return any(
         c.laddr.port == port and c.status == "LISTEN"
@@ -140,13 +153,9 @@ def test_store_factory_defined_in_a_function(single_rank, monitor):
     with pytest.raises((pickle.PicklingError, AttributeError)):
         pickle.dumps(LocalStore)
 
-    @fast_wrapper(store_factory=LocalStore, store_kwargs={"port": single_rank})
-    def train(call_wrapper: inprocess.CallWrapper = None):
-        if call_wrapper.iteration == 0:
-            raise RuntimeError("restart once")
-        return call_wrapper.iteration
-
-    assert train() == 1
+    assert _restarts_once(
+        fast_wrapper(store_factory=LocalStore, store_kwargs={"port": single_rank})
+    )
     assert live_stores() == []
 
 
@@ -196,13 +205,7 @@ def test_a_file_store_job_restarts_and_completes(single_rank, tmp_path):
     process's fault watch and a restart all work over the file."""
     from inprocess.store import FileStore
 
-    @fast_wrapper(
-        store_factory=FileStore, store_kwargs={"file_name": str(tmp_path / "store")}
+    assert _restarts_once(
+        fast_wrapper(store_factory=FileStore, store_kwargs={"file_name": str(tmp_path / "store")})
     )
-    def train(call_wrapper: inprocess.CallWrapper = None):
-        if call_wrapper.iteration == 0:
-            raise RuntimeError("restart once")
-        return call_wrapper.iteration
-
-    assert train() == 1
     assert live_stores() == []
