@@ -58,7 +58,7 @@ from .abort.rendezvous import (
 from .completion import Completion
 from .compose import Compose
 from .config import DEFAULT_RANK_ASSIGNMENT, WrapperConfig
-from .exception import HealthCheckError, InternalError, StoreError
+from .exception import HealthCheckError, InternalError, RestartAbort, StoreError
 from .exception import TimeoutError as RestartTimeoutError
 from .finalize import Finalize
 from .health_check import HealthCheck
@@ -107,6 +107,8 @@ _RANK_HOSTED_KEY = protocol.RANK_HOSTED
 # everybody is blocked on, so they poll fast, backing off up to this (or up to
 # monitor_thread_interval when that is shorter).
 _RESTART_POLL_LIMIT = 0.02
+#: longest a host that left by RestartAbort keeps the store up for its peers' own
+_ABORT_WAIT = 10.0
 
 
 def _returned_state(result: Any, current: State) -> State:
@@ -411,6 +413,8 @@ class CallWrapper:
         # barrier), and the iteration the call completed in (_finish).
         self._restart_cause: protocol.RootCause | None = None
         self._finished_iteration: _Iteration | None = None
+        #: the iteration this rank left by RestartAbort (its peers abort there too)
+        self._aborted_iteration: _Iteration | None = None
         self._records = _records.Recorder(None, self.identity, "", 0)  # disabled until _start
         #: sys.excepthook when the call started (see _function_environment)
         self._excepthook = sys.excepthook
@@ -786,7 +790,10 @@ class CallWrapper:
     def _wait_for_exit_if_hosting(self, raw: Any) -> None:
         """The rank hosting the store keeps it up until every rank has left."""
         finished = self._finished_iteration
-        if not getattr(raw, "is_master", False) or finished is None:
+        if not getattr(raw, "is_master", False):
+            return
+        if finished is None:
+            self._wait_for_peers_to_abort()
             return
         key = protocol.iteration_key(finished.index, "exit")
         deadline = time.monotonic() + self._config.completion_timeout
@@ -799,6 +806,27 @@ class CallWrapper:
                 if self.store.all_arrived(protocol.arrivals_key(key), finished.members) is not None:
                     return
             time.sleep(0.005)
+
+    def _wait_for_peers_to_abort(self) -> None:
+        """A host that left by ``RestartAbort`` keeps the store up until the other members
+        have left too, within :data:`_ABORT_WAIT`.
+
+        A RestartAbort usually ends every rank at the same iteration (a retry
+        limit is the same for all), and a peer still in that iteration's barrier
+        when the store goes would end with a lost store instead of its own
+        RestartAbort. A peer that goes on without this rank loses the store
+        either way: the bound only keeps the host from waiting for it long.
+        """
+        aborted = self._aborted_iteration
+        if aborted is None:
+            return
+        others = set(aborted.members) - {self.identity}
+        deadline = time.monotonic() + min(_ABORT_WAIT, self._config.barrier_timeout)
+        with contextlib.suppress(Exception):  # the store's own errors end the wait
+            while time.monotonic() < deadline:
+                if others <= self.store.terminated_since(self.store.terminated_epoch()):
+                    return
+                time.sleep(0.01)
 
     # ---------------------------------------------------------------- barriers
 
@@ -1070,7 +1098,11 @@ class CallWrapper:
         try:
             if outcome.completed:
                 return outcome
-            result = self._classify_fault(outcome, armed)  # raises if this rank leaves
+            try:
+                result = self._classify_fault(outcome, armed)  # raises if this rank leaves
+            except RestartAbort:
+                self._aborted_iteration = current  # see _wait_for_peers_to_abort
+                raise
             self._release(result.exception)
             return result
         finally:
