@@ -47,6 +47,9 @@ log = logging.getLogger(__name__)
 #: signal used to interrupt a system call of the main thread; real-time signals
 #: are queued and unused by Python and torch
 INTERRUPT_SIGNAL = signal.SIGRTMIN + 3 if hasattr(signal, "SIGRTMIN") else None
+#: seconds between re-sends of an unacknowledged restart exception once they
+#: have backed off (they start at the monitor thread's interval and double)
+RESEND_MAX = 1.0
 
 
 class RankShouldRestart(BaseException):
@@ -502,7 +505,13 @@ class MonitorThread(threading.Thread):
         # It waits on the doorbell, so the next iteration's arm ends it at once
         # (a fault right after a restart is not held back by this loop); a ring
         # before the re-send is due sends nothing.
+        # The re-sends back off, to one per RESEND_MAX at most: a thread that
+        # never takes the exception is one stuck in native code, and each
+        # signal wakes it for nothing. Waking it often would also make it look
+        # busy to the bounded unwind (a thread it sees run or use CPU is not
+        # stuck), which then waits for the hard timeout instead.
         resend = max(self.interval, 0.005)
+        longest = max(resend, RESEND_MAX)
         next_send = time.monotonic() + resend
         while True:
             self._wake.wait(next_send - time.monotonic())
@@ -513,6 +522,7 @@ class MonitorThread(threading.Thread):
                     return
                 if time.monotonic() < next_send:
                     continue
+                resend = min(resend * 2, longest)
                 next_send = time.monotonic() + resend
                 if import_wait.holds(self.target_thread_id):
                     continue
