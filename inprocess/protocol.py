@@ -75,11 +75,10 @@ LATEST_CALL = "latest_call"
 FAULTS = "faults"
 FAULT_LOG = "fault_log"
 TERMINATED = "terminated"
-TERMINATED_EPOCH = "te"
 LEFT = "left"
 JOIN_REQUESTS = "join_requests"
 MEMBERSHIP = "membership"
-WAKE_SEQ = "wseq"  # counter of the call's wake-ups (see store.StoreMixin.wake_waiters)
+WAKE_SEQ = "wseq"  # counter of the call's wake-ups and deaths (see wake_state)
 FAULT_WAKE = "fw"  # fault wake-ups: see fault_wake_key
 HOSTED = "hosted"  # set by a rank that hosts the call's store server
 INITIAL = "initial"  # the initial barrier's name
@@ -139,6 +138,22 @@ def iteration_of_barrier(prefix: str) -> int | None:
     """The iteration of the barrier attempt a key prefix is under, if it is under one."""
     match = _BARRIER_NAME.search(prefix)
     return int(match.group(1)) if match else None
+
+
+#: what a death adds to :data:`WAKE_SEQ`: one wake-up (the low 32 bits count
+#: them) and one death (the high bits). One counter, so a waiter learns both
+#: with the one read it makes before it arrives at a barrier.
+DEATH_WAKE = (1 << 32) + 1
+
+
+def wake_state(value: int) -> tuple[int, int]:
+    """(wake-ups, deaths) of the call, from a value of :data:`WAKE_SEQ`.
+
+    A stranger may add anything to the counter: a wrong count of deaths only
+    makes a waiter read the (sealed) terminated list again, and a wrong count
+    of wake-ups only makes it wait on a key that comes late or already exists.
+    """
+    return value & 0xFFFFFFFF, max(value, 0) >> 32
 
 
 def wake_key(k: int) -> str:

@@ -93,7 +93,7 @@ WAIT_CHUNK = 2.0
 WAIT_CHUNK_MAX = 30.0
 
 
-class _WakeWait:
+class WakeWait:
     """One rank's wait at a barrier of ``store``: blocks until the call's next wake-up.
 
     Created *before* the first look at what the rank waits for (it reads the
@@ -107,7 +107,8 @@ class _WakeWait:
     def __init__(self, store: StoreMixin, timeout: datetime.timedelta, pause: float) -> None:
         self.store, self.pause = store, pause
         self.deadline = time.monotonic() + timeout.total_seconds()
-        self.seq = store.wake_sequence()
+        #: the wake-ups and deaths of the call as last read
+        self.seq, self.deaths = store.wake_state()
         self.chunk_max = getattr(store, "wait_chunk_max", WAIT_CHUNK_MAX)
         self.chunk = min(WAIT_CHUNK, self.chunk_max)
         self.idle = False
@@ -125,7 +126,13 @@ class _WakeWait:
             self.idle = True  # until the caller's next look finds something new
         else:
             # a forged or lost wake-up: go on from the newest
-            self.seq, self.idle = self.store.wake_sequence(), False
+            (self.seq, self.deaths), self.idle = self.store.wake_state(), False
+
+    def read_deaths(self) -> int:
+        """Reads the call's count of deaths again (the wake-ups read stay as they were:
+        this read may come after the caller's look)."""
+        self.deaths = self.store.wake_state()[1]
+        return self.deaths
 
 
 #: environment variable naming a store hosted outside the workers (torchrun's convention)
@@ -198,7 +205,7 @@ def key_path(store: Any, key: str) -> str:
     return "/".join(reversed(parts))
 
 
-def _waits_in_server(store: Any) -> bool:
+def waits_in_server(store: Any) -> bool:
     """Whether ``store``'s ``wait`` blocks in a server (torch's ``TCPStore``) rather than
     polling in the client."""
     while isinstance(store, PrefixStore):
@@ -429,7 +436,7 @@ class StoreMixin:
         its own. A store whose ``wait`` polls in the client (``FileStore``,
         every 10 ms) is looked at every ``pause`` instead.
         """
-        served = _waits_in_server(self)
+        served = waits_in_server(self)
         seq, published = self.fault_signal(), None
         while True:
             if seq != published:
@@ -478,9 +485,10 @@ class StoreMixin:
             # The log entry is the death's fault (fault_count counts the log).
             self._log_fault(identity, P.TERMINATED_PREFIX + reason)
             self.add_entry(P.TERMINATED, P.check_identity(identity))
-            self.add(P.TERMINATED_EPOCH, 1)
             self.signal_fault()
-            self.wake_waiters()  # a rendezvous may be complete without its arrival
+            # raises the count of deaths (the terminated epoch) with the wake-up:
+            # a rendezvous may be complete without its arrival
+            self.wake_waiters(death=True)
         return won
 
     def terminated(self) -> set[str]:
@@ -502,8 +510,8 @@ class StoreMixin:
         return set(cached[1])
 
     def terminated_epoch(self) -> int:
-        """A wake-up for waiters: changes when a death may have been listed."""
-        return self.counter(P.TERMINATED_EPOCH)
+        """The call's count of deaths: changes when a death may have been listed."""
+        return self.wake_state()[1]
 
     def is_terminated(self, identity: str) -> bool:
         return self.read(P.per_identity(P.TERMINATED, identity)) is not None
@@ -563,10 +571,19 @@ class StoreMixin:
         return self.read(P.iteration_key(iteration, P.OUTCOME)) or ""
 
     def decide_outcome(self, iteration: int, outcome: str) -> str:
-        """Proposes ``"completed"`` or ``"fault"`` for ``iteration``; returns what stands."""
+        """Proposes ``"completed"`` or ``"fault"`` for ``iteration``; returns what stands.
+
+        A "completed" that stands wakes the call's waiters, once: a relaunched
+        worker waiting to be admitted must see the job complete. (A fault needs
+        no wake-up: the termination barrier that follows wakes the joiner, and
+        ranks already at a barrier would only look again for nothing.)
+        """
         if outcome not in (P.COMPLETED, P.FAULT):
             raise ValueError(f"outcome must be {P.COMPLETED!r} or {P.FAULT!r}, got {outcome!r}")
-        return self.set_once(P.iteration_key(iteration, P.OUTCOME), outcome)[1]
+        won, standing = self.set_once(P.iteration_key(iteration, P.OUTCOME), outcome)
+        if won and outcome == P.COMPLETED:
+            self.wake_waiters()
+        return standing
 
     def mark_completed(self, identity: str, iteration: int) -> None:
         """Records that ``identity`` finished the job, so its exit is not a fault."""
@@ -633,22 +650,26 @@ class StoreMixin:
         # decision wakes it, and the first look needs no read of the decision.
         # (A member wrongly listed as dead may find the decision made without
         # it: it reads it after its first wait, a chunk later.)
-        waiter = _WakeWait(self, timeout, poll_limit)
+        # The count of deaths comes with that read (one counter, see
+        # protocol.wake_state): the first look at the dead costs nothing more,
+        # and a later one reads it again only when a wake-up brought no decision.
+        waiter = WakeWait(self, timeout, poll_limit)
         complete = self._arrive(name, identity, value, members)
-        seen_epoch = -1
+        seen_deaths = -1
         counted: set[str] = set()
         woken = False
         while not complete:
+            deaths = waiter.deaths
             if woken:
                 # None: not decided yet, or only a stranger's garbage there
                 published = P.first_or_none(self.entries(done_key))
                 if published is not None:
                     return published
+                deaths = waiter.read_deaths()
             woken = True
-            epoch = self.terminated_epoch()
-            if epoch != seen_epoch:
-                seen_epoch, waiter.idle = epoch, False
-                complete = self._count_the_dead(name, members, counted, epoch)
+            if deaths != seen_deaths:
+                seen_deaths, waiter.idle = deaths, False
+                complete = self._count_the_dead(name, members, counted, deaths)
                 if complete:
                     break
             if waiter.remaining() <= 0:
@@ -667,21 +688,26 @@ class StoreMixin:
 
     # ------------------------------------------------------------------ wake-ups
 
-    def wake_sequence(self) -> int:
-        """The number of the call's latest wake-up (a counter: it wakes, it decides nothing)."""
-        return self.counter(P.WAKE_SEQ)
+    def wake_state(self) -> tuple[int, int]:
+        """(the number of the call's latest wake-up, its count of deaths), one read.
 
-    def wake_waiters(self) -> None:
+        Counters: they wake, they decide nothing (see :func:`protocol.wake_state`).
+        """
+        return P.wake_state(self.counter(P.WAKE_SEQ))
+
+    def wake_waiters(self, death: bool = False) -> None:
         """Wakes every rank blocked at a rendezvous or barrier of the call.
 
         Invariant: the k-th wake-up sets key ``w/<k>``. A waiter that read
         the sequence as ``s`` *before* looking at what it waits for blocks on
         ``w/<s+1>``, which the first wake-up after its look sets: none is
-        missed (:class:`_WakeWait`). A stranger's add to the sequence can only
+        missed (:class:`WakeWait`). A stranger's add to the sequence can only
         make a waiter sleep to the end of its chunk (:data:`WAIT_CHUNK` and up)
-        before it looks again.
+        before it looks again. ``death``: the wake-up of a death just listed,
+        which also raises the count of deaths (after the listing: a list read
+        once the count was read holds every death it counts).
         """
-        k = int(self.add(P.WAKE_SEQ, 1))
+        k, _ = P.wake_state(int(self.add(P.WAKE_SEQ, P.DEATH_WAKE if death else 1)))
         self.set(P.wake_key(k), "1")
 
     def wait_for(self, key: str, seconds: float) -> bool:
@@ -854,7 +880,7 @@ class StoreMixin:
         """Blocks until ``key`` exists and returns its value (``sealed``: until it holds an
         authentic record, and returns the first one). The key's writer wakes the
         waiters (:meth:`wake_waiters`); ``on_wait`` runs between waits."""
-        waiter = _WakeWait(self, timeout, poll_limit)
+        waiter = WakeWait(self, timeout, poll_limit)
         while True:
             raw = self.get_or(key, _ABSENT)
             if raw != _ABSENT:

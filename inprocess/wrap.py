@@ -76,6 +76,7 @@ from .rank_assignment import RankAssignment, RankDiscarded
 from .rank_filter import RankFilter
 from .state import Mode, State
 from .store import (
+    WAIT_CHUNK,
     WAIT_CHUNK_MAX,
     BarrierRefused,
     ClientSpec,
@@ -83,10 +84,12 @@ from .store import (
     PrefixStore,
     StoreMixin,
     TCPStore,
+    WakeWait,
     incarnation_from_env,
     initial_rank_of,
     job_namespace,
     new_identity,
+    waits_in_server,
 )
 from .terminate import Terminate
 
@@ -1024,7 +1027,7 @@ class CallWrapper:
             store.decide_outcome(current.index, proposal)
         timeout = self._config.completion_timeout
         deadline = time.monotonic() + timeout if active else None
-        poller = _poller(self._config.monitor_thread_interval)
+        wait = _OutcomeWait(store, current.index, self._config)
         seen_active = 0
         while True:
             outcome = store.outcome(current.index)
@@ -1043,7 +1046,7 @@ class CallWrapper:
                 reason = f"completion timeout ({self._config.completion_timeout:.3g}s)"
                 store.record_fault(self.identity, reason)
                 raise _mt.exception_with_message(RankShouldRestart, reason)()
-            poller.sleep(deadline)
+            wait.wait(deadline)
 
     # ---------------------------------------------------------------- one iteration
 
@@ -1285,11 +1288,17 @@ class CallWrapper:
         store = self.store
         store.request_join(self.identity)
         log.info("%s: asked to join the running job", self.identity)
-        deadline = time.monotonic() + self._config.barrier_timeout * 4
-        poller = _poller(self._restart_poll)
+        # Blocks on the call's wake-ups: a termination barrier's decision and an
+        # iteration's outcome (the job completing) both wake it. The wake-up
+        # state is read before the first look (see WakeWait).
+        waiter = WakeWait(
+            store,
+            datetime.timedelta(seconds=self._config.barrier_timeout * 4),
+            self._restart_poll,
+        )
         membership = store.membership()
         iteration = membership[0] if membership else 0
-        while time.monotonic() < deadline:
+        while waiter.remaining() > 0:
             termination = protocol.iteration_key(iteration, protocol.TERMINATION)
             done = store.read(protocol.done_key(termination))
             if done is not None:
@@ -1310,7 +1319,8 @@ class CallWrapper:
                 log.warning("%s: the job completed before this rank could join", self.identity)
                 self._board.write_finished()
                 return None
-            poller.sleep(deadline)
+            waiter.wait()
+            waiter.idle = False  # each look reads what it needs: no pause after a wake-up
         raise InternalError(f"{self.identity}: not admitted to the running job in time")
 
     # ---------------------------------------------------------------- completion
@@ -1456,6 +1466,47 @@ def _write_pidfile(template: str, rank: int, monitor: MonitorProcess) -> Callabl
 
 def _td(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
+
+
+class _OutcomeWait:
+    """A rank's wait at the completion barrier: blocks until the iteration's outcome is
+    decided (its once-key appears), at most a chunk.
+
+    Every way out of the barrier decides the outcome first: the last arrival
+    decides "completed", and a fault's monitor threads decide "fault" before
+    they interrupt, so the store wakes every waiter at once and nobody polls.
+    A chunk bounds how long the main thread stays in native code (the hard
+    clock runs on meanwhile, hence at most ``wait_chunk_max``) and how late a
+    spare sees the first active arrival that starts its deadline (at most a
+    quarter of ``completion_timeout``). A stranger's garbage in the key makes
+    every wait return at once: after a wake-up that decided nothing the next
+    wait first pauses ``monitor_thread_interval`` (the polling it replaced),
+    never a spin. A store whose ``wait`` polls in the client is polled at
+    that interval instead.
+    """
+
+    def __init__(self, store: Any, iteration: int, config: Any) -> None:
+        self.store, self.iteration = store, iteration
+        self.pause = max(config.monitor_thread_interval, 0.001)
+        self.served = waits_in_server(store)
+        self.chunk_max = max(
+            min(getattr(store, "wait_chunk_max", WAIT_CHUNK_MAX), config.completion_timeout / 4),
+            0.001,
+        )
+        self.chunk = min(WAIT_CHUNK, self.chunk_max)
+        self.idle = False
+
+    def wait(self, deadline: float | None) -> None:
+        left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        if not self.served or self.idle:
+            time.sleep(self.pause if left is None else min(self.pause, left))
+            if not self.served:
+                return
+        seconds = self.chunk if left is None else min(self.chunk, left)
+        self.chunk = min(self.chunk * 2, self.chunk_max)
+        key = protocol.iteration_key(self.iteration, protocol.OUTCOME)
+        # woken with nothing decided: garbage in the key (it stays: pause from now on)
+        self.idle = self.store.wait_for(key, seconds)
 
 
 def _poller(limit: float) -> Poller:

@@ -167,7 +167,7 @@ class _Stranger(threading.Thread):
                 for text in texts:
                     client.append(f"{call}/{key}", text)
             client.add(f"{call}/faults", 1)
-            client.add(f"{call}/{protocol.TERMINATED_EPOCH}", 1)
+            client.add(f"{call}/{protocol.WAKE_SEQ}", protocol.DEATH_WAKE)
 
 
 @SLOW

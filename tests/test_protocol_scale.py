@@ -209,12 +209,12 @@ def test_a_wait_for_peers_never_blocks_near_the_hard_timeout():
     """A rank blocked in the store's wait runs no bytecode, so its hard clock runs
     on: the Wrapper caps each wait at a quarter of ``hard_timeout``, and views
     of its store (a rank assignment's prefix) wait the same way."""
-    from inprocess.store import WAIT_CHUNK_MAX, _WakeWait
+    from inprocess.store import WAIT_CHUNK_MAX, WakeWait
 
     server = TCPStore(host_name="127.0.0.1", port=0, is_master=True, timeout=TD)
     try:
         store = PrefixStore("call", server)
-        assert _WakeWait(store, TD, 0.01).chunk_max == WAIT_CHUNK_MAX
+        assert WakeWait(store, TD, 0.01).chunk_max == WAIT_CHUNK_MAX
         store.wait_chunk_max = 0.2
         view = PrefixStore("assignment", store)
         for s in (store, view):
@@ -226,7 +226,7 @@ def test_a_wait_for_peers_never_blocks_near_the_hard_timeout():
                 return real_wait_for(key, seconds)
 
             s.wait_for = wait_for
-            waiter = _WakeWait(s, datetime.timedelta(seconds=1.2), 0.01)
+            waiter = WakeWait(s, datetime.timedelta(seconds=1.2), 0.01)
             while waiter.remaining() > 0:
                 waiter.wait()
             # nobody wakes it: it waited chunk after chunk, none longer than the cap
