@@ -1475,10 +1475,12 @@ class _OutcomeWait:
     Every way out of the barrier decides the outcome first: the last arrival
     decides "completed", and a fault's monitor threads decide "fault" before
     they interrupt, so the store wakes every waiter at once and nobody polls.
-    A chunk bounds how long the main thread stays in native code (the hard
-    clock runs on meanwhile, hence at most ``wait_chunk_max``) and how late a
-    spare sees the first active arrival that starts its deadline (at most a
-    quarter of ``completion_timeout``). A stranger's garbage in the key makes
+    A chunk bounds how long the main thread stays in native code, where it
+    runs no bytecode: the barrier is inside the iteration, so its soft and hard
+    clocks run on meanwhile, and a chunk stays under a quarter of either
+    (``wait_chunk_max`` is a quarter of ``hard_timeout``). It also bounds how
+    late a spare sees the first active arrival that starts its deadline (at
+    most a quarter of ``completion_timeout``). A stranger's garbage in the key makes
     every wait return at once: after a wake-up that decided nothing the next
     wait first pauses ``monitor_thread_interval`` (the polling it replaced),
     never a spin. A store whose ``wait`` polls in the client is polled at
@@ -1490,7 +1492,11 @@ class _OutcomeWait:
         self.pause = max(config.monitor_thread_interval, 0.001)
         self.served = waits_in_server(store)
         self.chunk_max = max(
-            min(getattr(store, "wait_chunk_max", WAIT_CHUNK_MAX), config.completion_timeout / 4),
+            min(
+                getattr(store, "wait_chunk_max", WAIT_CHUNK_MAX),
+                config.soft_timeout / 4,
+                config.completion_timeout / 4,
+            ),
             0.001,
         )
         self.chunk = min(WAIT_CHUNK, self.chunk_max)
