@@ -30,7 +30,9 @@ system calls: one per request of a client that waits for each answer, as every
 client here does); both less the harness's own release/finish keys, measured
 by an empty round. ``--steady SECONDS`` also runs a few real ``Wrapper`` ranks
 (processes with monitor thread and monitor process) in a function that only
-sleeps, and counts the server's operations per rank per second with no fault.
+sleeps, and counts the server's operations per rank per second with no fault
+(``--steady-spares K``: K of them are spares, which wait in the completion
+barrier meanwhile).
 
     python benchmarks/restart_scale.py --ranks 1024,4096 --json
 """
@@ -296,9 +298,15 @@ STEADY_RANK = """
 import os, sys, time, datetime, logging
 logging.basicConfig(level=logging.WARNING)
 from inprocess import Wrapper
+from inprocess.rank_filter import MaxActiveWorldSize
 from inprocess.store import TCPStore
-seconds = float(sys.argv[1])
-@Wrapper(abort=None, store_kwargs={"host_name": "127.0.0.1", "is_master": False})
+seconds, spares = float(sys.argv[1]), int(sys.argv[2])
+active = int(os.environ["WORLD_SIZE"]) - spares
+@Wrapper(
+    abort=None,
+    store_kwargs={"host_name": "127.0.0.1", "is_master": False},
+    rank_filter=MaxActiveWorldSize(active) if spares else None,
+)
 def train():
     store = TCPStore(host_name="127.0.0.1", is_master=False)
     store.add("steady/ready", 1)
@@ -307,8 +315,12 @@ train()
 """
 
 
-def steady(ranks: int, seconds: float) -> dict[str, Any]:
-    """Store operations per rank per second of a real job's ranks with no fault."""
+def steady(ranks: int, seconds: float, spares: int = 0) -> dict[str, Any]:
+    """Store operations per rank per second of a real job's ranks with no fault.
+
+    With ``spares``, that many ranks are spares (they wait in the completion
+    barrier for the whole call); the others wait in their function.
+    """
     from inprocess.store import TCPStore
 
     ctx = multiprocessing.get_context("spawn")
@@ -326,7 +338,8 @@ def steady(ranks: int, seconds: float) -> dict[str, Any]:
     control = TCPStore(host_name=HOST, port=port, is_master=False, timeout=_td(300))
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", STEADY_RANK, str(seconds)], env=dict(env, RANK=str(r))
+            [sys.executable, "-c", STEADY_RANK, str(seconds), str(spares)],
+            env=dict(env, RANK=str(r)),
         )
         for r in range(ranks)
     ]
@@ -335,7 +348,7 @@ def steady(ranks: int, seconds: float) -> dict[str, Any]:
     except Exception:
         pass
     deadline = time.monotonic() + 300
-    while int(control.add("steady/ready", 0)) < ranks and time.monotonic() < deadline:
+    while int(control.add("steady/ready", 0)) < ranks - spares and time.monotonic() < deadline:
         time.sleep(0.2)
     time.sleep(2.0)  # past the start of every rank's monitor thread and process
     bytes0, ops0 = server_io(pid)
@@ -352,6 +365,7 @@ def steady(ranks: int, seconds: float) -> dict[str, Any]:
     server.join(30)
     return {
         "steady_ranks": ranks,
+        "spares": spares,
         "window_s": seconds,
         "ops_per_rank_per_s": round((ops1 - ops0) / ranks / seconds, 3),
         "bytes_per_rank_per_s": round((bytes1 - bytes0) / ranks / seconds, 1),
@@ -366,6 +380,9 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=300, help="seconds per N, in all")
     parser.add_argument("--steady", type=float, default=0, help="seconds of steady state (0: no)")
     parser.add_argument("--steady-ranks", type=int, default=4)
+    parser.add_argument(
+        "--steady-spares", type=int, default=0, help="of the steady ranks, how many are spares"
+    )
     parser.add_argument("--json", action="store_true", help="one JSON object per line")
     args = parser.parse_args()
     try:
@@ -374,6 +391,11 @@ def main() -> None:
         parser.error(f"--ranks must be comma-separated integers, got {args.ranks!r}")
     if any(n < 2 for n in sizes):
         parser.error("--ranks: every size must be at least 2")
+    if not 0 <= args.steady_spares < args.steady_ranks:
+        parser.error(
+            f"--steady-spares must be at least 0 and less than --steady-ranks "
+            f"({args.steady_ranks}), got {args.steady_spares}"
+        )
 
     def show(output: dict[str, Any]) -> None:
         if args.json:
@@ -384,7 +406,7 @@ def main() -> None:
     for n in sizes:
         show(run(n, args.procs, args.rounds, args.timeout))
     if args.steady > 0:
-        show(steady(args.steady_ranks, args.steady))
+        show(steady(args.steady_ranks, args.steady, args.steady_spares))
 
 
 if __name__ == "__main__":
