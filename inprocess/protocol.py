@@ -10,8 +10,9 @@ Key schema
     (:func:`call_namespace`), ``k`` counting the process's calls (every rank of
     a job makes the same sequence of calls). Inside a call namespace: the fault counter and log, the
     terminated and left lists (identities each followed by :data:`SEP`), join
-    requests, heartbeats, the published membership, the wake-up sequence
-    (``wseq``) and its ``w/<k>`` keys, and per iteration ``n`` the
+    requests, heartbeats, the published membership, the wake-up counter
+    (``wseq``: wake-ups and deaths, :func:`wake_state`) and its ``w/<k>`` keys,
+    and per iteration ``n`` the
     keys under ``i<n>/`` (barrier attempts ``b<k>``, termination ``t``, completion ``c``,
     outcome, exit count, the user's ``env://`` rendezvous, the survivors'
     restart ``phases`` for the restart records of :mod:`inprocess.records`). The role namespace

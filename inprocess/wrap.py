@@ -1314,13 +1314,15 @@ class CallWrapper:
                         iteration + 1,
                     )
                 iteration += 1
+                waiter.idle = False  # a decision, not for this rank: look at the next at once
                 continue
             if store.outcome(iteration) == protocol.COMPLETED:
                 log.warning("%s: the job completed before this rank could join", self.identity)
                 self._board.write_finished()
                 return None
+            # a wake-up that brought nothing (another barrier's, or a stranger's
+            # key) costs the next wait a pause first: never a busy loop
             waiter.wait()
-            waiter.idle = False  # each look reads what it needs: no pause after a wake-up
         raise InternalError(f"{self.identity}: not admitted to the running job in time")
 
     # ---------------------------------------------------------------- completion

@@ -149,7 +149,7 @@ def test_a_joiner_waits_for_admission_in_the_store_not_by_polling(server):  # no
     from inprocess.store import new_identity
     from inprocess.wrap import CallWrapper
 
-    port, store, _ = server
+    port, store, stranger = server
     joiner = CallWrapper(Wrapper(abort=None, barrier_timeout=datetime.timedelta(seconds=300)))
     joiner.state = State(rank=3, world_size=4)
     joiner.identity = new_identity(3)
@@ -165,6 +165,13 @@ def test_a_joiner_waits_for_admission_in_the_store_not_by_polling(server):  # no
         time.sleep(2.0)
         # at most a chunk's end (2 s, then 4 s) and one look; polling made about 200
         assert joiner.store.ops - ops <= 2 * 3, joiner.store.ops - ops
+        # a stranger's wake-up keys, far ahead: each costs a pause (20 ms), not a spin
+        seq, _ = store.wake_state()
+        for k in range(seq + 1, seq + 400):
+            stranger.set(f"{NS}/{P.wake_key(k)}", "1")
+        ops = joiner.store.ops
+        time.sleep(1.0)
+        assert joiner.store.ops - ops <= 3 * (50 + 5), joiner.store.ops - ops
         store.decide_outcome(0, P.COMPLETED)
         thread.join(3)  # woken, not at the end of its 4 s chunk
         assert not thread.is_alive()
