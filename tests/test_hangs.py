@@ -103,6 +103,12 @@ def check_only_victim_lost(result, lost=True):
     return survivors
 
 
+def slack(survivors, lost=True) -> float:
+    """Seconds more the others may take when a rank was stranded in gloo (see
+    :func:`check_only_victim_lost`): they wait for the bounded unwind to end it."""
+    return TIMED["unwind_timeout"] if len(survivors) < WORLD - lost else 0.0
+
+
 def _stranded_in_gloo(rank) -> bool:
     """Whether ``rank`` was ended by the bounded unwind while its main thread
     waited in a collective (``function``, a futex): the known gloo limitation."""
@@ -131,6 +137,7 @@ def test_hang_with_gil_released_is_recovered_in_process(tmp_path, kind):
     # Beside other jobs (load average 4 or more) the bound is the hard timeout's:
     # the hung rank was brought back (above), not killed, whatever the delay.
     bound = HARD + GRACE + MARGIN if machine_is_busy() else SOFT + MARGIN
+    bound += slack(survivors, lost=False)
     assert max(delays.values()) < bound, delays
     interrupted = [e for e in result.report(VICTIM)["events"] if e["kind"] == "interrupted"]
     assert interrupted[0]["exception"] == "RankShouldRestart"
@@ -143,7 +150,7 @@ def test_hang_with_gil_held_is_killed_by_the_hard_timeout(tmp_path):
     assert result.ranks[VICTIM].returncode == -signal.SIGTERM
     delays = ready_after(result, fault_time)
     assert set(delays) == set(survivors)
-    assert max(delays.values()) < HARD + GRACE + MARGIN, delays
+    assert max(delays.values()) < HARD + GRACE + MARGIN + slack(survivors), delays
     # the healthy ranks were stuck in the collective with it, yet none was killed;
     # the hard clock runs from the victim's last progress, which a loaded machine
     # can put a few seconds before the fault's timestamp (the SIGTERM above says
@@ -158,7 +165,7 @@ def test_dead_rank_is_detected_at_once(tmp_path, kind):
     survivors = check_only_victim_lost(result)
     delays = ready_after(result, fault_time)
     assert set(delays) == set(survivors)
-    assert max(delays.values()) < MARGIN, delays
+    assert max(delays.values()) < MARGIN + slack(survivors), delays
 
 
 def wait_for(path_pattern, job, timeout=60):
@@ -190,7 +197,8 @@ def test_sigkill_from_outside(tmp_path):
     survivors = check_only_victim_lost(result)
     assert result.ranks[VICTIM].returncode == -signal.SIGKILL
     delays = ready_after(result, fault_time)
-    assert set(delays) == set(survivors) and max(delays.values()) < MARGIN, delays
+    assert set(delays) == set(survivors)
+    assert max(delays.values()) < MARGIN + slack(survivors), delays
 
 
 @pytest.mark.timeout(150)
@@ -210,7 +218,7 @@ def test_sigstop_from_outside_is_killed_by_the_hard_timeout(tmp_path, ping):
     assert result.ranks[VICTIM].returncode == -signal.SIGTERM, result.describe()
     delays = ready_after(result, fault_time)
     assert set(delays) == set(survivors), (delays, result.describe())
-    assert max(delays.values()) < HARD + GRACE + MARGIN, delays
+    assert max(delays.values()) < HARD + GRACE + MARGIN + slack(survivors), delays
 
 
 @pytest.mark.timeout(150)
@@ -230,7 +238,7 @@ def test_lost_rank_and_monitor_detected_by_heartbeats(tmp_path):
     survivors = check_only_victim_lost(result)
     delays = ready_after(result, fault_time)
     assert set(delays) == set(survivors)
-    assert max(delays.values()) < HEARTBEAT + MARGIN, delays
+    assert max(delays.values()) < HEARTBEAT + MARGIN + slack(survivors), delays
 
 
 @pytest.mark.timeout(150)
@@ -239,7 +247,8 @@ def test_manual_ping_timeout_catches_a_busy_loop(tmp_path):
     result, fault_time = run_with_fault(tmp_path, "busy", ping=True)
     survivors = check_only_victim_lost(result, lost=False)
     delays = ready_after(result, fault_time)
-    assert set(delays) == set(survivors) and max(delays.values()) < SOFT + MARGIN, delays
+    assert set(delays) == set(survivors)
+    assert max(delays.values()) < SOFT + MARGIN + slack(survivors, lost=False), delays
     interrupted = [e for e in result.report(VICTIM)["events"] if e["kind"] == "interrupted"]
     assert interrupted[0]["exception"] == "RankShouldRestart"
 
