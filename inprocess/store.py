@@ -109,6 +109,9 @@ class WakeWait:
         self.deadline = time.monotonic() + timeout.total_seconds()
         #: the wake-ups and deaths of the call as last read
         self.seq, self.deaths = store.wake_state()
+        #: whether :attr:`deaths` was read since the last wake-up (a wait that ran
+        #: out its chunk reads both): :meth:`read_deaths` then needs no read
+        self._deaths_fresh = False
         self.chunk_max = getattr(store, "wait_chunk_max", WAIT_CHUNK_MAX)
         self.chunk = min(WAIT_CHUNK, self.chunk_max)
         self.idle = False
@@ -124,14 +127,19 @@ class WakeWait:
         if self.store.wait_for(P.wake_key(self.seq + 1), seconds):
             self.seq += 1
             self.idle = True  # until the caller's next look finds something new
+            self._deaths_fresh = False
         else:
             # a forged or lost wake-up: go on from the newest
             (self.seq, self.deaths), self.idle = self.store.wake_state(), False
+            self._deaths_fresh = True
 
     def read_deaths(self) -> int:
-        """Reads the call's count of deaths again (the wake-ups read stay as they were:
-        this read may come after the caller's look)."""
-        self.deaths = self.store.wake_state()[1]
+        """The call's count of deaths, read again after a wake-up (the wake-ups read stay
+        as they were: this read may come after the caller's look). After a wait that
+        ran out its chunk, the count read then serves: it was read before the look."""
+        if not self._deaths_fresh:
+            self.deaths = self.store.wake_state()[1]
+        self._deaths_fresh = False
         return self.deaths
 
 

@@ -179,3 +179,21 @@ def test_a_joiner_waits_for_admission_in_the_store_not_by_polling(server):  # no
     finally:
         joiner._board.close()
         joiner.store = None  # the suite checks that no store object outlives a test
+
+
+def test_after_a_chunk_runs_out_the_count_of_deaths_is_not_read_twice(server):  # noqa: F811
+    """A wait that ran out its chunk reads the counter (before the caller's next look):
+    that read's count of deaths serves, with no second read; after a wake-up it is
+    read again."""
+    from inprocess.store import WakeWait
+
+    port, store, _ = server
+    waiter_store = client(port)
+    waiter = WakeWait(waiter_store, datetime.timedelta(seconds=30), 0.01)
+    waiter.chunk = 0.2  # a short first chunk: nothing wakes it
+    waiter.wait()
+    ops = waiter_store.ops
+    assert waiter.read_deaths() == 0 and waiter_store.ops == ops
+    store.mark_terminated("2/0.cccccccccc", "died")  # a death wakes it
+    waiter.wait()
+    assert waiter.read_deaths() == 1 and waiter_store.ops == ops + 2  # the wait, one read
