@@ -315,11 +315,13 @@ train()
 """
 
 
-def steady(ranks: int, seconds: float, spares: int = 0) -> dict[str, Any]:
+def steady(ranks: int, seconds: float, spares: int = 0, nodes: int = 1) -> dict[str, Any]:
     """Store operations per rank per second of a real job's ranks with no fault.
 
     With ``spares``, that many ranks are spares (they wait in the completion
-    barrier for the whole call); the others wait in their function.
+    barrier for the whole call); the others wait in their function. The ranks
+    run as ``nodes`` simulated nodes (``INPROCESS_NODE``), consecutive ranks
+    together, each with its node group (:mod:`inprocess.node`).
     """
     from inprocess.store import TCPStore
 
@@ -339,7 +341,7 @@ def steady(ranks: int, seconds: float, spares: int = 0) -> dict[str, Any]:
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", STEADY_RANK, str(seconds), str(spares)],
-            env=dict(env, RANK=str(r)),
+            env=dict(env, RANK=str(r), INPROCESS_NODE=f"node{r * nodes // ranks}"),
         )
         for r in range(ranks)
     ]
@@ -365,6 +367,7 @@ def steady(ranks: int, seconds: float, spares: int = 0) -> dict[str, Any]:
     server.join(30)
     return {
         "steady_ranks": ranks,
+        "nodes": nodes,
         "spares": spares,
         "window_s": seconds,
         "ops_per_rank_per_s": round((ops1 - ops0) / ranks / seconds, 3),
@@ -383,6 +386,9 @@ def main() -> None:
     parser.add_argument(
         "--steady-spares", type=int, default=0, help="of the steady ranks, how many are spares"
     )
+    parser.add_argument(
+        "--steady-nodes", type=int, default=1, help="simulated nodes the steady ranks run on"
+    )
     parser.add_argument("--json", action="store_true", help="one JSON object per line")
     args = parser.parse_args()
     try:
@@ -391,6 +397,11 @@ def main() -> None:
         parser.error(f"--ranks must be comma-separated integers, got {args.ranks!r}")
     if any(n < 2 for n in sizes):
         parser.error("--ranks: every size must be at least 2")
+    if not 1 <= args.steady_nodes <= args.steady_ranks:
+        parser.error(
+            f"--steady-nodes must be at least 1 and at most --steady-ranks "
+            f"({args.steady_ranks}), got {args.steady_nodes}"
+        )
     if not 0 <= args.steady_spares < args.steady_ranks:
         parser.error(
             f"--steady-spares must be at least 0 and less than --steady-ranks "
@@ -406,7 +417,7 @@ def main() -> None:
     for n in sizes:
         show(run(n, args.procs, args.rounds, args.timeout))
     if args.steady > 0:
-        show(steady(args.steady_ranks, args.steady, args.steady_spares))
+        show(steady(args.steady_ranks, args.steady, args.steady_spares, args.steady_nodes))
 
 
 if __name__ == "__main__":

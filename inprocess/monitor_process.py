@@ -16,10 +16,13 @@ number the child reuses). Otherwise it is started as a fresh interpreter
   ``hard_timeout`` (time in the wrapped function, across restarts; see
   :mod:`inprocess.progress_watchdog`), it sends SIGCONT and SIGTERM, waits
   ``termination_grace_time``, then SIGCONT, SIGTERM and SIGKILL;
-* sends heartbeats for its rank and watches the heartbeats of the next ranks of
-  the current membership (a ring), declaring a rank terminated when its counter
-  has not changed for ``heartbeat_timeout`` as seen by this process's clock, so
-  clocks of different hosts are never compared;
+* joins its node's group (:mod:`inprocess.node`): one monitor process per node
+  leads it and beats for every rank of the node, watches the nodes of their
+  ring peers (the next ranks of the current membership), declaring the ranks of
+  a node terminated when its beat has not changed for ``heartbeat_timeout`` as
+  seen by this process's clock (clocks of different hosts are never compared),
+  and declares a local rank that died with its monitor process; this process
+  tells the leader its rank's peers;
 * bounds the unwind: once the restart exception was sent and the abort has
   run (the board's unwind word, written then, outside ``atomic()`` only), a
   main thread that has not come
@@ -28,10 +31,10 @@ number the child reuses). Otherwise it is started as a fresh interpreter
   abort, neither computing nor waiting for a core on a loaded machine) is
   SIGKILLed and recorded as "stuck in native code after the abort" with where
   it waits (``wchan``, system call), so the other ranks go on without it;
-* watches the call's faults for its rank's monitor thread: a thread with a
-  connection of its own blocks in the store until the next fault and writes
-  the fault count on the board, so a rank makes no store operation to learn of
-  a fault (a second of polling each before);
+* hears the call's faults for its rank's monitor thread: the node leader's fault
+  watch blocks in the store until the next fault and sends the fault count to
+  each member, which writes it on its board, so a rank makes no store
+  operation to learn of a fault (a second of polling each before);
 * exits when its rank's Wrapper call ends, or right after reporting its rank's
   death, and a deadline bounds that report, so it never outlives its job.
 """
@@ -53,6 +56,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
+from .node import NodeLeader, NodeMember
 from .progress_watchdog import ProgressBoard, ring
 from .protocol import Peers
 
@@ -93,6 +97,9 @@ class MonitorConfig:
     #: native id of the thread running the Wrapper call (0: the process's main thread)
     thread_id: int = 0
     env: dict[str, str] = field(default_factory=dict)
+    #: the node the rank runs on and its group's directory (see inprocess.node)
+    node: str = "node"
+    node_group: str = ""
 
 
 @dataclass(frozen=True)
@@ -147,9 +154,7 @@ def fork_is_safe() -> bool:
 class MonitorProcess:
     """Parent-side handle of a rank's monitor process."""
 
-    def __init__(
-        self, config: MonitorConfig, board: ProgressBoard, doorbell: int = -1
-    ) -> None:
+    def __init__(self, config: MonitorConfig, board: ProgressBoard, doorbell: int = -1) -> None:
         self.config = config
         self.board = board
         #: write end of the rank's doorbell (the monitor thread waits on it; -1: none)
@@ -383,19 +388,17 @@ class _Guardian:
         self.store: Any = None
         self.kill_started: float | None = None
         self.kill_escalated = False
-        self.next_heartbeat = 0.0
-        # Peers are checked as often as they beat (by default four times per
-        # timeout), not every interval: every check costs the store a read per
-        # watched peer. Invariant: a beat period plus a check period stays
-        # under the timeout, so a live peer's newest stamp is always seen in
-        # time (with the defaults, within half a timeout of the one before; a
-        # silent peer is declared within the timeout plus half of it).
-        beat, timeout = config.heartbeat_interval, config.heartbeat_timeout
-        self.watch_period = max(config.interval, min(beat, (timeout - beat) / 2))
-        self.next_watch = 0.0
-        self.peer_seen: dict[str, tuple[int, float]] = {}
         self.membership_iteration = -1
-        self.peers: list[str] = []
+        self.member = NodeMember(config.node_group, config.identity, config.parent_pid)
+        self.leader = NodeLeader(
+            config.node_group,
+            config.node,
+            self._connect,
+            heartbeat_interval=config.heartbeat_interval,
+            heartbeat_timeout=config.heartbeat_timeout,
+            interval=config.interval,
+            fault_chunk=FAULT_WATCH_CHUNK,
+        )
         tid = config.thread_id or config.parent_pid
         self.task_dir = f"/proc/{config.parent_pid}/task/{tid}"
         #: (unwind start seen, last time the thread was seen busy, its CPU ticks then)
@@ -404,20 +407,35 @@ class _Guardian:
         #: where the main thread was when the hard timeout struck (for the report)
         self.hard_timeout_where = ""
 
-    def connect(self) -> None:
+    def _connect(self) -> Any:
+        """A new client of the call's namespace."""
         from .store import PrefixStore
 
-        raw = self.config.client.connect()
-        self.store = PrefixStore(self.config.namespace, raw)
-        self.store.send_heartbeat(self.config.identity)
+        return PrefixStore(self.config.namespace, self.config.client.connect())
+
+    def connect(self) -> None:
+        self.store = self._connect()
+        self.store.place(self.config.identity, self.config.node)
+        self.member.join()
+        threading.Thread(target=self.leader.run, name="node-leader", daemon=True).start()
         threading.Thread(
-            target=_watch_faults,
-            args=(self.config, self.board, self.doorbell_fd),
-            name="fault-watch",
+            target=_hear_faults,
+            args=(self.member, self._connect, self.board, self.doorbell_fd),
+            name="fault-news",
             daemon=True,
         ).start()
 
-    def run(self) -> None:
+    def leave(self, finished: bool) -> None:
+        """Leaves the node group (``finished``: the rank finished or its death is
+        recorded; otherwise its registration stays for the leader to report)."""
+        try:
+            self.member.leave(finished, self.leader.stop())
+        except OSError as ex:
+            log.warning("cannot leave the node group: %s", ex)
+
+    def run(self) -> bool:
+        """Watches until the rank's call ends (then ``True``) or its process exits
+        (then whether it finished or its death is recorded)."""
         poller = select.poll()
         poller.register(self.parent_fd, select.POLLIN)
         poller.register(self.control_fd, select.POLLIN)
@@ -429,31 +447,23 @@ class _Guardian:
                     data = os.read(self.control_fd, 1)
                 if data == _SHUTDOWN:
                     log.info("rank %s done; monitor exits", self.config.identity)
-                    return
+                    return True
                 poller.unregister(self.control_fd)  # EOF: the parent is exiting
             if self.parent_fd in events:
-                self.on_parent_exit()
-                return
+                return self.on_parent_exit()
             now = time.monotonic()
             self.enforce_unwind_deadline(now)
             self.enforce_hard_timeout(now)
-            try:
-                if now >= self.next_heartbeat:
-                    self.store.send_heartbeat(self.config.identity)
-                    self.next_heartbeat = now + self.config.heartbeat_interval
-                if now >= self.next_watch:
-                    self.watch_peers(now)
-                    self.next_watch = now + self.watch_period
-            except Exception as ex:
-                log.warning("store unavailable: %s", ex)
+            self.publish_peers()
 
-    def on_parent_exit(self) -> None:
+    def on_parent_exit(self) -> bool:
+        """Reports the rank's death; returns whether it finished or its death is recorded."""
         # The report must not hang forever on an unreachable store.
         signal.alarm(REPORT_DEADLINE)
         _, _, _, _, finished = self.board.read()
         if finished:
             log.info("rank %s finished and exited", self.config.identity)
-            return
+            return True
         if self.stuck_reason is not None:
             reason = self.stuck_reason
         elif self.kill_started is not None:
@@ -468,6 +478,8 @@ class _Guardian:
             self.store.mark_terminated(self.config.identity, reason)
         except Exception as ex:
             log.error("cannot record the death of rank %s: %s", self.config.identity, ex)
+            return False
+        return True
 
     def enforce_unwind_deadline(self, now: float) -> None:
         """Ends a rank whose main thread sleeps in the kernel instead of unwinding.
@@ -540,33 +552,22 @@ class _Guardian:
             log.warning("process %d still alive after the grace time: killing it", pid)
             _send(pid, signal.SIGCONT, signal.SIGTERM, signal.SIGKILL)
 
-    def watch_peers(self, now: float) -> None:
+    def publish_peers(self) -> None:
+        """Tells the node leader the peers of the rank's new iteration (its rank hands
+        them over on the board: no store read, never the membership)."""
         _, _, _, iteration, _ = self.board.read()
-        if iteration != self.membership_iteration:
-            # A new iteration of this rank: read who its peers are now (its rank
-            # hands them over on the board: no store read, never the membership).
-            published = Peers.parse(self.board.read_text(), "board")
-            if published is None or published.iteration != iteration:
-                return  # not published yet: next time
-            self.membership_iteration = iteration
-            self.peers = list(published.peers)
-            self.peer_seen = {p: v for p, v in self.peer_seen.items() if p in self.peers}
-        if not self.peers:
+        if iteration == self.membership_iteration:
             return
-        for peer, count in zip(self.peers, self.store.heartbeats(self.peers), strict=True):
-            last = self.peer_seen.get(peer)
-            # Only a newer authentic stamp is a heartbeat (an old one replayed is not).
-            if last is None or count > last[0]:
-                self.peer_seen[peer] = (count, now)
-                continue
-            if now - last[1] <= self.config.heartbeat_timeout:
-                continue
-            if self.store.has_completed(peer) or self.store.is_terminated(peer):
-                continue
+        published = Peers.parse(self.board.read_text(), "board")
+        if published is None or published.iteration != iteration:
+            return  # not published yet: next time
+        self.membership_iteration = iteration
+        try:
+            self.member.set_peers(published.peers)
+        except OSError as ex:
             log.warning(
-                "rank %s sent no heartbeat for %.2fs: declaring it terminated", peer, now - last[1]
+                "cannot tell the node leader the peers of rank %s: %s", self.config.identity, ex
             )
-            self.store.mark_terminated(peer, f"no heartbeat for {now - last[1]:.2f}s")
 
 
 #: x86-64 numbers of the system calls a stuck thread is usually found in
@@ -584,37 +585,50 @@ FAULT_WATCH_CHUNK = 30.0
 FAULT_WATCH_RETRY = 2.0
 
 
-def _watch_faults(config: MonitorConfig, board: ProgressBoard, doorbell: int) -> None:
-    """The fault watch: a thread of the monitor process that learns of the call's faults
-    by blocking in the store and writes the fault count on the board, where the
-    rank's monitor thread reads it (no store operation of its own), then rings
-    the rank's doorbell so that it reads it at once.
+def _hear_faults(
+    member: NodeMember, connect: Callable[[], Any], board: ProgressBoard, doorbell: int
+) -> None:
+    """Fault news: a thread of the monitor process that writes the call's fault count on
+    the board, where the rank's monitor thread reads it (no store operation of its
+    own), then rings the rank's doorbell so that it reads it at once.
 
-    It has a connection of its own (a wait blocks the client it runs on) and
-    lives as long as the process: the process's exit ends it, wherever it
-    blocks. While it cannot reach the store the board says no watch runs, and
-    the monitor thread reads the store itself.
+    The count comes from the node leader's fault watch (:mod:`inprocess.node`),
+    once read here from the store after joining the group (a fault before the
+    join is in that read; one after it reaches this member's socket). Counts
+    never go down on the board: a late one is dropped. While the leader's watch
+    cannot reach the store the board says no watch runs, and the monitor thread
+    reads the store itself.
     """
-    from .store import PrefixStore
+    best: int | None = None
 
-    def publish(count: int) -> None:
+    def publish(count: int | None) -> None:
+        nonlocal best
+        if count is None:
+            board.write_faults_seen(None)
+            return
+        if best is not None and count < best:
+            count = best
+        best = count
         board.write_faults_seen(count)  # the count first: the ring says "read it"
         if doorbell >= 0:
             ring(doorbell)
 
-    down = False  # logged once per outage, not every retry
     while True:
         try:
-            store = PrefixStore(config.namespace, config.client.connect())
-            down = False
-            store.watch_faults(publish, FAULT_WATCH_CHUNK, config.interval)
+            store = connect()
+            publish(store.fault_count())
+            del store
+            break
         except Exception as ex:
-            board.write_faults_seen(None)
-            (log.debug if down else log.warning)(
-                "fault watch: the store is unavailable (%s); the rank reads it", ex
-            )
-            down = True
+            log.warning("fault news: the store is unavailable (%s); retrying", ex)
             time.sleep(FAULT_WATCH_RETRY)
+    while True:
+        try:
+            news = member.receive()
+        except OSError:
+            return  # the member left
+        if news is not False:
+            publish(news)
 
 
 def _thread_activity(task_dir: str) -> tuple[bool, int]:
@@ -740,7 +754,7 @@ def run(config: MonitorConfig, fds: _Fds) -> int:
     os.write(fds.ready, _READY)
     os.close(fds.ready)
     log.info("monitoring rank %s (pid %d)", config.identity, config.parent_pid)
-    guardian.run()
+    guardian.leave(guardian.run())
     return 0
 
 

@@ -10,7 +10,7 @@ Key schema
     (:func:`call_namespace`), ``k`` counting the process's calls (every rank of
     a job makes the same sequence of calls). Inside a call namespace: the fault counter and log, the
     terminated and left lists (identities each followed by :data:`SEP`), join
-    requests, heartbeats, the published membership, the wake-up counter
+    requests, node heartbeats and placements, the published membership, the wake-up counter
     (``wseq``: wake-ups and deaths, :func:`wake_state`) and its ``w/<k>`` keys,
     and per iteration ``n`` the
     keys under ``i<n>/`` (barrier attempts ``b<k>``, termination ``t``, completion ``c``,
@@ -81,6 +81,8 @@ JOIN_REQUESTS = "join_requests"
 MEMBERSHIP = "membership"
 WAKE_SEQ = "wseq"  # counter of the call's wake-ups and deaths (see wake_state)
 FAULT_WAKE = "fw"  # fault wake-ups: see fault_wake_key
+NODE_BEAT = "nb"  # a node's heartbeat: nb/<node> (see inprocess.node)
+PLACED = "node"  # the node a rank runs on: node/<identity>
 HOSTED = "hosted"  # set by a rank that hosts the call's store server
 INITIAL = "initial"  # the initial barrier's name
 PHASES = "phases"  # per iteration: each survivor's restart phases (one JSON line each)
@@ -111,9 +113,24 @@ def call_namespace(role: str, call: int) -> str:
 
 
 def per_identity(kind: str, identity: str) -> str:
-    """A per-rank key: ``terminated``, ``completed`` or ``heartbeat``
+    """A per-rank key: ``terminated``, ``completed`` or ``node`` (:data:`PLACED`)
     of ``identity``."""
     return f"{kind}/{identity}"
+
+
+def node_key(kind: str, node: str) -> str:
+    """A per-node key (:data:`NODE_BEAT`)."""
+    return f"{kind}/{node}"
+
+
+def parse_node_beat(record: str | None) -> tuple[int, list[str]]:
+    """``(stamp, ranks)`` of a node's heartbeat record; ``(0, [])`` when malformed."""
+    stamp, _, ranks = (record or "").partition(" ")
+    value = int_or_none(stamp)
+    identities = split_identities(ranks)
+    if value is None or value < 0 or not all(map(valid_identity, identities)):
+        return 0, []
+    return value, identities
 
 
 #: names under an iteration's keys (short: every rank sends them in every restart)

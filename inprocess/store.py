@@ -543,22 +543,28 @@ class StoreMixin:
 
     # ------------------------------------------------------------------ heartbeats
 
-    def send_heartbeat(self, identity: str) -> int:
-        """Writes a new heartbeat of ``identity``: a sealed, increasing stamp (this node's
-        monotonic clock), so an old one replayed never reads as a new one."""
+    def send_node_heartbeat(self, node: str, identities: Sequence[str]) -> int:
+        """Writes a new heartbeat of ``node`` naming the ranks it hosts: a sealed record
+        with an increasing stamp (the node's monotonic clock), so an old one replayed
+        never reads as a new one (see :mod:`inprocess.node`)."""
         stamp = time.monotonic_ns()
-        self.put(P.per_identity("heartbeat", identity), str(stamp))
+        ranks = P.SEP.join(P.check_identity(i) for i in identities)
+        self.put(P.node_key(P.NODE_BEAT, node), f"{stamp} {ranks}")
         return stamp
 
-    def heartbeats(self, identities: Sequence[str]) -> list[int]:
-        """The latest authentic heartbeat stamp of each identity (0: none)."""
-        if not identities:
-            return []
-        stamps = []
-        for identity in identities:
-            record = self.read(P.per_identity("heartbeat", identity))
-            stamps.append(P.int_or_none(record) or 0)
-        return stamps
+    def node_heartbeat(self, node: str) -> tuple[int, list[str]]:
+        """The latest authentic heartbeat of ``node``: (stamp, its ranks); (0, []) when
+        none (or only a forgery or garbage) is there."""
+        return P.parse_node_beat(self.read(P.node_key(P.NODE_BEAT, node)))
+
+    def place(self, identity: str, node: str) -> None:
+        """Records the node ``identity`` runs on (its monitor process does, once)."""
+        self.put(P.per_identity(P.PLACED, identity), node)
+
+    def node_of(self, identity: str) -> str | None:
+        """The node ``identity`` runs on, ``None`` before it was placed."""
+        node = self.read(P.per_identity(P.PLACED, identity))
+        return node if node is not None and P.valid_name(node) else None
 
     # ------------------------------------------------------------------ membership
 

@@ -47,6 +47,7 @@ import torch.distributed
 
 from . import generation as _gen
 from . import monitor_thread as _mt
+from . import node as _node
 from . import protocol
 from . import records as _records
 from .abort import Abort, AbortTorchDistributed
@@ -640,6 +641,13 @@ class CallWrapper:
         # rung by the monitor process's fault watch: the monitor thread reads the board then
         doorbell = Doorbell()
         cleanup.callback(doorbell.close)  # (after the monitor thread and process have stopped)
+        # The ranks of a node share one group for their liveness (inprocess.node); on a
+        # store this cannot tell apart from another, each rank is a node of its own.
+        node = _node.node_name()
+        address = _node.store_address(raw)
+        if address is None:
+            node, address = f"{node[:40]}.{os.getpid()}", f"pid:{os.getpid()}"
+        group = _node.group_dir(self.namespace, node, address)
         monitor = MonitorProcess(
             MonitorConfig(
                 identity=self.identity,
@@ -661,6 +669,8 @@ class CallWrapper:
                     logging.getLogger("inprocess").getEffectiveLevel(),
                     logging.INFO if c.monitor_process_logfile else logging.WARNING,
                 ),
+                node=node,
+                node_group=group,
             ),
             board,
             doorbell.write_fd,
@@ -671,7 +681,7 @@ class CallWrapper:
         monitor.keep_alive(
             timeout=c.barrier_timeout,
             on_restart=self._monitor_restarted,
-            send_heartbeat=functools.partial(self.store.send_heartbeat, self.identity),
+            send_heartbeat=functools.partial(_node.beat_for, self.store, node, group),
         )
         self._monitor_process = monitor
         if c.monitor_process_pidfile is not None:

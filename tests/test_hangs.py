@@ -221,24 +221,59 @@ def test_sigstop_from_outside_is_killed_by_the_hard_timeout(tmp_path, ping):
     assert max(delays.values()) < HARD + GRACE + MARGIN + slack(survivors), delays
 
 
+def kill_with_monitors(job, ranks):
+    """Freezes the ranks and their monitor processes at once, then kills them all:
+    nobody gets to report."""
+    victims = []
+    for r in ranks:
+        rank = psutil.Process(job.pid(r))
+        victims += [rank, *rank.children(recursive=True)]
+    assert len(victims) == 2 * len(ranks), victims  # each rank and its monitor process
+    for p in victims:
+        p.send_signal(signal.SIGSTOP)
+    for p in victims:
+        p.kill()
+
+
 @pytest.mark.timeout(150)
 def test_lost_rank_and_monitor_detected_by_heartbeats(tmp_path):
-    """Process and monitor die together (a lost node): the peers' monitors notice."""
-
-    def kill_both(job):
-        rank = psutil.Process(job.pid(VICTIM))
-        victims = [rank, *rank.children(recursive=True)]
-        assert len(victims) == 2, victims  # the rank and its monitor process
-        for p in victims:
-            p.send_signal(signal.SIGSTOP)  # freeze both at once...
-        for p in victims:
-            p.kill()  # ... then kill: nobody gets to report
-
-    result, fault_time = external_fault(tmp_path, kill_both, heartbeat=HEARTBEAT)
+    """Process and monitor die together on a node whose other ranks live: the node's
+    leader (one of their monitor processes) sees both exit and declares the rank at
+    once, with no heartbeat timeout (see inprocess.node)."""
+    result, fault_time = external_fault(
+        tmp_path, lambda job: kill_with_monitors(job, [VICTIM]), heartbeat=HEARTBEAT
+    )
     survivors = check_only_victim_lost(result)
     delays = ready_after(result, fault_time)
     assert set(delays) == set(survivors)
-    assert max(delays.values()) < HEARTBEAT + MARGIN + slack(survivors), delays
+    assert max(delays.values()) < MARGIN + slack(survivors), delays
+    reasons = [line for line in result.ranks[0].output.splitlines() if "root cause" in line]
+    assert any("died with its monitor process" in line for line in reasons), reasons
+
+
+@pytest.mark.timeout(150)
+def test_a_lost_node_is_declared_by_the_heartbeat_watch_of_the_next(tmp_path):
+    """Two simulated nodes of two ranks; node 1 (ranks 2 and 3 with their monitor
+    processes) is frozen and killed: node 0's leader, which watches the node of its
+    ranks' ring peers, sees its heartbeat stop and declares both of its ranks; ranks 0
+    and 1 finish at world 2 with the exact result."""
+    result, fault_time = external_fault(
+        tmp_path,
+        lambda job: kill_with_monitors(job, [2, 3]),
+        heartbeat=HEARTBEAT,
+        ranks_per_node=2,
+    )
+    for rank in (0, 1):
+        assert result.ranks[rank].returncode == 0, result.describe()
+        returned = result.report(rank)["returned"]
+        assert returned["world"] == 2 and returned["sum"] == 3, result.describe()
+    assert not result.leftovers, f"orphans: {result.leftovers}"
+    delays = ready_after(result, fault_time)
+    assert set(delays) == {0, 1}, delays
+    # declared by the heartbeat watch: not before its timeout, and not long after
+    assert HEARTBEAT / 2 < max(delays.values()) < 1.5 * HEARTBEAT + MARGIN, delays
+    output = result.ranks[0].output
+    assert "no heartbeat for" in output and "(node node1)" in output, output[-3000:]
 
 
 @pytest.mark.timeout(150)

@@ -144,7 +144,8 @@ def test_garbage_in_every_protocol_key_is_ignored_and_logged_once(tcp, caplog):
     store.request_join("3/1.dddddddddd")
     store.decide_outcome(1, P.COMPLETED)
     store.mark_completed(A, 1)
-    store.send_heartbeat(A)
+    store.send_node_heartbeat("n0", [A, B])
+    store.place(A, "n0")
     keys = [k for k in stranger.list_keys() if not k.endswith("/faults")]
     names = {k.rsplit("/", 1)[-1] for k in keys}
     assert {"membership", "fault_log", "terminated", "left", "join_requests", P.OUTCOME} <= names
@@ -159,7 +160,8 @@ def test_garbage_in_every_protocol_key_is_ignored_and_logged_once(tcp, caplog):
         store.outcome(1),
         store.has_completed(A),
         store.is_terminated(C),
-        store.heartbeats([A, B]),
+        store.node_heartbeat("n0"),
+        store.node_of(A),
         P.latest_call(stranger, role),
         P.wrapper_present(stranger, role),
     )
@@ -177,7 +179,8 @@ def test_garbage_in_every_protocol_key_is_ignored_and_logged_once(tcp, caplog):
                 store.outcome(1),
                 store.has_completed(A),
                 store.is_terminated(C),
-                store.heartbeats([A, B]),
+                store.node_heartbeat("n0"),
+                store.node_of(A),
                 P.latest_call(stranger, role),
                 P.wrapper_present(stranger, role),
             )
@@ -204,12 +207,14 @@ def test_forged_records_of_absent_keys_decide_nothing(tcp):
     stranger.set(f"{ns}/{P.iteration_key(0, P.OUTCOME)}", "fault")
     stranger.set(P.done_key(f"{ns}/initial"), f"{A},")
     stranger.set(f"{ns}/completed/{B}", "0")
-    stranger.set(f"{ns}/heartbeat/{B}", "99999")
+    stranger.set(f"{ns}/{P.node_key(P.NODE_BEAT, 'n1')}", f"99999 {B}")
+    stranger.set(f"{ns}/{P.PLACED}/{B}", "n1")
     stranger.set(f"inprocess/job/g0/{P.LATEST_CALL}", "notanumber")
     stranger.append(f"{ns}/join_requests", "notanumber/x,")
     assert not store.is_terminated(A) and store.outcome(0) == ""
     assert store.read(P.done_key(P.INITIAL)) is None and not P.initial_done(stranger, ns)
-    assert not store.has_completed(B) and store.heartbeats([B]) == [0]
+    assert not store.has_completed(B) and store.node_heartbeat("n1") == (0, [])
+    assert store.node_of(B) is None
     assert store.join_requests() == []  # used to crash the decider (int("notanumber"))
     # the protocol still writes over them: the first authentic record stands
     assert store.mark_terminated(A, "died") and store.is_terminated(A)

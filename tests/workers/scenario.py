@@ -29,6 +29,9 @@ import inprocess
 SPEC: dict[str, Any] = json.loads(os.environ["INPROCESS_TEST_SPEC"])
 INITIAL_RANK = int(os.environ["RANK"])
 REPORT = Path(SPEC["report_dir"]) / f"report{INITIAL_RANK}.json"
+if SPEC.get("ranks_per_node"):
+    # simulated nodes on one host: each has its own node group and heartbeat
+    os.environ["INPROCESS_NODE"] = f"node{INITIAL_RANK // SPEC['ranks_per_node']}"
 EVENTS: list[dict[str, Any]] = []
 
 logging.basicConfig(
