@@ -58,9 +58,14 @@ KINDS = {
     "segfault": ("segfault", 1.5),
     "SIGKILL from outside": ("external-kill", 1.5),
     "SIGSTOP from outside": ("external-stop", HARD + GRACE + 1.5),
+    # seen by the node's leader (another rank's monitor process) through pidfds
+    "process and monitor lost": ("external-both", 1.5),
+    # two simulated nodes of two ranks, the second lost whole: the first's leader
     # beats and checks every quarter of the timeout (the default heartbeat_interval)
-    "process and monitor lost": ("external-node", HEARTBEAT * 1.5 + 1.5),
+    "node lost (ranks 2, 3 and their monitors)": ("external-node", HEARTBEAT * 1.5 + 1.5),
 }
+#: the ranks each kind loses for good (the victim by default)
+LOST = {"external-node": (2, 3)}
 #: faults after which the victim is brought back in-process rather than lost
 RECOVERED_IN_PROCESS = {"raise", "sleep", "socket", "busy"}
 
@@ -83,14 +88,15 @@ def inject_from_outside(job: Job, how: str) -> float:
             raise RuntimeError("ranks did not start")
         time.sleep(0.01)
     time.sleep(0.3)  # everyone is inside all_reduce steps now
-    proc = psutil.Process(job.pid(VICTIM))
+    procs = [psutil.Process(job.pid(r)) for r in LOST.get(how, (VICTIM,))]
+    proc = procs[0]
     fault_time = time.monotonic()
     if how == "external-kill":
         proc.kill()
     elif how == "external-stop":
         proc.send_signal(signal.SIGSTOP)
-    else:  # the rank and its monitor process at once: nobody reports
-        victims = [proc, *proc.children(recursive=True)]
+    else:  # the ranks and their monitor processes at once: nobody reports
+        victims = [v for p in procs for v in (p, *p.children(recursive=True))]
         for p in victims:
             p.send_signal(signal.SIGSTOP)
         for p in victims:
@@ -102,6 +108,8 @@ def measure(how: str, workdir: Path) -> float:
     spec: dict = {"wrapper": WRAPPER, "steps": 8, "steps_after_restart": 4}
     if how.startswith("external"):
         spec["steps"] = 100000
+    if how == "external-node":
+        spec["ranks_per_node"] = 2  # simulated nodes (INPROCESS_NODE) of two ranks
     else:
         spec["faults"] = [
             {"iteration": 0, "rank": VICTIM, "step": 3, "kind": how, "others": "allreduce"}
@@ -113,7 +121,7 @@ def measure(how: str, workdir: Path) -> float:
     if fault_time is None:
         fault_time = json.loads((workdir / f"fault{VICTIM}.json").read_text())["time"]
     ready = ready_times(job, 1)
-    survivors = WORLD if how in RECOVERED_IN_PROCESS else WORLD - 1
+    survivors = WORLD if how in RECOVERED_IN_PROCESS else WORLD - len(LOST.get(how, (VICTIM,)))
     if len(ready) != survivors or result.leftovers:
         raise RuntimeError(f"{how}: {len(ready)} ranks ready, leftovers {result.leftovers}")
     return max(ready) - fault_time

@@ -12,10 +12,9 @@ methods of :class:`inprocess.wrap.CallWrapper` that ``_run`` calls, on a real
   and decides the outcome), every other rank was interrupted (its monitor thread
   proposes the fault outcome, its ``_classify_fault`` sees ``RankShouldRestart``),
   then ``_abort``, ``_finalize``, ``_health_check`` (no callbacks: no work),
-  ``_termination_barrier``, ``publish_phases``, ``_iteration_barrier(k + 1)``,
-  and what the rank's monitor process reads of the new iteration (as
-  ``watch_peers`` does: ``StoreMixin.peers``, or ``membership`` where that
-  does not exist);
+  ``_termination_barrier``, ``publish_phases``, ``_iteration_barrier(k + 1)``
+  (the rank hands its monitor process the new peers through shared memory:
+  no store operation);
 * in the same run, at the same N, torch's
   ``torch.distributed.elastic.utils.store.barrier`` twice on each rank's client.
 

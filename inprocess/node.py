@@ -207,16 +207,25 @@ class NodeMember:
         The socket is bound before the registration is written: a leader that
         finds the registration can reach the member.
         """
-        _private_dir(self.directory)
         start = _start_time(self.rank_pid)
         if start is None:
             raise ProcessLookupError(self.rank_pid)
         self.rank_start = start
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.socket_path)  # the rank's monitor process's before this one
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.bind(self.socket_path)
-        self._write()
+        for attempt in range(3):
+            _private_dir(self.directory)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.socket_path)  # the rank's monitor process's before this one
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            try:
+                self.sock.bind(self.socket_path)
+                self._write()
+                return
+            except FileNotFoundError:
+                # the directory was swept as stale between its creation and now (see
+                # sweep_stale_groups: it holds no live rank until this one registers)
+                self.sock.close()
+                if attempt == 2:
+                    raise
 
     def set_peers(self, peers: Sequence[str]) -> None:
         """Tells the leader which ring peers this rank watches now."""
@@ -288,6 +297,56 @@ def remove_if_empty(directory: str, lock_fd: int | None = None) -> None:
             os.rmdir(directory)
     finally:
         os.close(fd)
+
+
+#: seconds a group's directory must be left unchanged before another group's leader
+#: may sweep it (a fresh one is being joined)
+STALE_AFTER = 60.0
+_GROUP_NAME = re.compile(r"[0-9a-f]{16}")
+
+
+def sweep_stale_groups(root: str, keep: str) -> int:
+    """Removes the group directories under ``root`` that nobody can use again: unchanged
+    for :data:`STALE_AFTER`, their lock free, and none of their ranks' processes alive
+    (a job killed whole leaves them). Returns how many it removed.
+
+    Safe against a live group: one with a live rank or a leader is kept, and a
+    group whose ranks are all gone has nobody left to report them (their
+    peers' nodes do). A member joining one being swept starts over
+    (:meth:`NodeMember.join`).
+    """
+    removed = 0
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return 0
+    now = time.time()
+    for name in names:
+        directory = os.path.join(root, name)
+        if directory == keep or not _GROUP_NAME.fullmatch(name):
+            continue
+        try:
+            if now - os.lstat(directory).st_mtime < STALE_AFTER:
+                continue
+        except FileNotFoundError:
+            continue
+        alive = any(
+            _start_time(r.rank_pid) == r.rank_start or _start_time(r.monitor_pid) is not None
+            for r in registrations(directory)
+        )
+        if alive:
+            continue
+        fd = _try_leadership(directory)
+        if fd is None:
+            continue
+        for entry in os.listdir(directory):
+            with contextlib.suppress(FileNotFoundError, IsADirectoryError):
+                os.unlink(os.path.join(directory, entry))
+        with contextlib.suppress(OSError):
+            os.rmdir(directory)
+            removed += 1
+        os.close(fd)
+    return removed
 
 
 def _try_leadership(directory: str) -> int | None:
@@ -389,6 +448,8 @@ class NodeLeader:
         self.nodes_seen: dict[str, _NodeSeen] = {}
         self.unplaced: dict[str, float] = {}  # peers with no placement yet: since when
         self.declared: set[str] = set()
+        #: registrations found with their processes already gone, for reap
+        self.unseen: dict[str, Registration] = {}
         self.leading = threading.Event()
         #: guards ``fd`` and ``stopped``: a member that leaves takes the lock file's
         #: descriptor from here, and no leadership is taken after it did
@@ -412,6 +473,12 @@ class NodeLeader:
             time.sleep(self.interval)
         self.leading.set()
         log.info("leading node %s's group", self.node)
+        try:
+            swept = sweep_stale_groups(os.path.dirname(self.directory), self.directory)
+            if swept:
+                log.info("removed %d stale node group directories", swept)
+        except OSError as ex:
+            log.debug("cannot sweep stale node groups: %s", ex)
         self.fault_watch = threading.Thread(
             target=self._watch_faults, name="node-fault-watch", daemon=True
         )
@@ -481,9 +548,9 @@ class NodeLeader:
             rank_fd = _open_pidfd(registration.rank_pid, registration.rank_start)
             if rank_fd is None:
                 if watched is None:
-                    # never seen alive: a registration left over from another job's
-                    # processes, not a rank of this one to report
-                    self._forget(registration)
+                    # dead before this leader saw it: a rank of this job that died
+                    # at once, or a registration another job left (see reap)
+                    self.unseen[identity] = registration
                 continue
             if watched is not None:
                 watched.close()
@@ -493,22 +560,32 @@ class NodeLeader:
 
     def reap(self, store: Any) -> None:
         """Declares a local rank terminated once it and its monitor process both exited
-        and it neither finished nor was reported (nobody else can report it)."""
+        and it neither finished nor was reported (nobody else can report it).
+
+        A registration whose processes had exited before this leader first saw
+        it counts only if its rank was placed on this node in this store (its
+        monitor process did, once connected): one another job left behind with
+        the same directory is removed, never reported.
+        """
         for identity, watched in list(self.watched.items()):
             if not (_exited(watched.rank_fd) and _exited(watched.monitor_fd)):
                 continue
             if os.path.exists(os.path.join(self.directory, _member_file(identity))):
-                if not (store.has_completed(identity) or store.is_terminated(identity)):
-                    log.warning(
-                        "rank %s died with its monitor process: declaring it terminated",
-                        identity,
-                    )
-                    store.mark_terminated(
-                        identity,
-                        f"process died with its monitor process (seen by node {self.node})",
-                    )
+                self._report(store, identity)
             self.watched.pop(identity).close()
             self._forget(watched.registration)
+        for identity, registration in list(self.unseen.items()):
+            if store.node_of(identity) == self.node:
+                self._report(store, identity)
+            del self.unseen[identity]
+            self._forget(registration)
+
+    def _report(self, store: Any, identity: str) -> None:
+        if store.has_completed(identity) or store.is_terminated(identity):
+            return
+        log.warning("rank %s died with its monitor process: declaring it terminated", identity)
+        reason = f"process died with its monitor process (seen by node {self.node})"
+        store.mark_terminated(identity, reason)
 
     def _forget(self, registration: Registration) -> None:
         path = os.path.join(self.directory, _member_file(registration.identity))

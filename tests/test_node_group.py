@@ -126,16 +126,22 @@ def test_a_rank_dead_with_its_monitor_is_declared_at_once_a_stale_registration_n
     rank, monitor = sleeper(), sleeper()
     os.makedirs(group, mode=0o700)
     live = node.Registration(A, rank.pid, node._start_time(rank.pid), monitor.pid, [B])
-    # a registration whose processes were gone before this leader saw them (another
-    # job's, left behind): removed, never reported
+    # registrations whose processes were gone before this leader saw them: another
+    # job's left behind (B: never placed in this store) is removed, never reported;
+    # a rank of this job that died at once (C: placed on this node) is reported
     stale = node.Registration(B, 2**22 - 1, 1, 2**22 - 2, [])
-    for registration in (live, stale):
+    quick = node.Registration(C, 2**22 - 3, 1, 2**22 - 4, [])
+    store.place(C, "n0")
+    for registration in (live, stale, quick):
         with open(os.path.join(group, node._member_file(registration.identity)), "w") as f:
             f.write(registration.encode())
     lead = leader(group, store)
     lead.refresh()
     assert set(lead.watched) == {A}
+    lead.reap(store)
     assert not os.path.exists(os.path.join(group, node._member_file(B)))
+    assert not os.path.exists(os.path.join(group, node._member_file(C)))
+    assert store.terminated() == {C}
     rank.kill()
     rank.wait()
     lead.refresh()
@@ -228,6 +234,9 @@ def test_the_leader_beats_for_its_node_and_hands_out_fault_counts(tcp, group):
     try:
         assert lead.leading.wait(10)
         assert [m.receive(10) for m in members] == [0, 0]  # the watch's first count
+        deadline = time.monotonic() + 10
+        while store.node_heartbeat("n0")[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
         stamp, ranks = store.node_heartbeat("n0")
         assert stamp > 0 and sorted(ranks) == [A, B]
         store.record_fault(A, "RuntimeError: boom")
@@ -244,3 +253,37 @@ def test_the_leader_beats_for_its_node_and_hands_out_fault_counts(tcp, group):
         lead.fault_watch.join(10)
     assert not thread.is_alive() and not lead.fault_watch.is_alive()
     assert not os.path.exists(group)
+
+
+def test_stale_groups_are_swept_live_or_fresh_ones_never(tmp_path, group):
+    """What a job killed whole leaves (its processes gone, its lock free) is removed by
+    the next leader; a group with a live rank, a leader, or a recent change stays."""
+    root = os.path.dirname(group)
+    me = sleeper()
+    made = []
+    try:
+        def make(alive: bool, age: float) -> str:
+            path = node.group_dir(NS, f"swept{len(made)}", f"file://{tmp_path}")
+            os.makedirs(path, mode=0o700)
+            pid = me.pid if alive else 2**22 - 5
+            start = node._start_time(me.pid) if alive else 1
+            with open(os.path.join(path, node._member_file(A)), "w") as f:
+                f.write(node.Registration(A, pid, start, 2**22 - 6, []).encode())
+            os.utime(path, (time.time() - age, time.time() - age))
+            made.append(path)
+            return path
+
+        dead, live, fresh, led = make(False, 120), make(True, 120), make(False, 1), make(False, 120)
+        holder = node._try_leadership(led)
+        os.utime(led, (time.time() - 120, time.time() - 120))
+        try:
+            assert node.sweep_stale_groups(root, group) >= 1
+        finally:
+            os.close(holder)
+        assert not os.path.exists(dead)
+        assert all(os.path.exists(p) for p in (live, fresh, led))
+    finally:
+        me.kill()
+        me.wait()
+        for path in made:
+            shutil.rmtree(path, ignore_errors=True)
