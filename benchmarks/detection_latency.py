@@ -108,8 +108,8 @@ def measure(how: str, workdir: Path) -> float:
     spec: dict = {"wrapper": WRAPPER, "steps": 8, "steps_after_restart": 4}
     if how.startswith("external"):
         spec["steps"] = 100000
-    if how == "external-node":
-        spec["ranks_per_node"] = 2  # simulated nodes (INPROCESS_NODE) of two ranks
+        if how == "external-node":
+            spec["ranks_per_node"] = 2  # simulated nodes (INPROCESS_NODE) of two ranks
     else:
         spec["faults"] = [
             {"iteration": 0, "rank": VICTIM, "step": 3, "kind": how, "others": "allreduce"}
