@@ -446,7 +446,7 @@ class NodeLeader:
         self.watched: dict[str, _Watched] = {}
         self.node_of: dict[str, str] = {}
         self.nodes_seen: dict[str, _NodeSeen] = {}
-        self.unplaced: dict[str, float] = {}  # peers with no placement yet: since when
+        self.unplaced: set[str] = set()  # peers whose placement cannot be read
         self.declared: set[str] = set()
         #: registrations found with their processes already gone, for reap
         self.unseen: dict[str, Registration] = {}
@@ -606,14 +606,19 @@ class NodeLeader:
             if node is None:
                 node = store.node_of(peer)
                 if node is None:
-                    # placed by its monitor before its rank's first barrier: a peer
-                    # never placed for a timeout never had a live monitor
-                    since = self.unplaced.setdefault(peer, now)
-                    if now - since > self.heartbeat_timeout:
-                        self._declare(store, {peer}, f"no heartbeat for {now - since:.2f}s")
+                    # Every rank is placed by its monitor process before it first
+                    # arrives at a barrier: a member with no readable placement
+                    # was tampered with (a stranger overwrote the key). Its node
+                    # cannot be watched; a lost one then ends at the barriers'
+                    # timeouts, never in an expulsion by a stranger's write.
+                    if peer not in self.unplaced:
+                        self.unplaced.add(peer)
+                        log.warning(
+                            "rank %s has no authentic placement: its node is not watched", peer
+                        )
                     continue
                 self.node_of[peer] = node
-                self.unplaced.pop(peer, None)
+                self.unplaced.discard(peer)
             if node != self.node:
                 nodes.setdefault(node, set()).add(peer)
         for node, its_peers in nodes.items():

@@ -176,6 +176,7 @@ def test_a_silent_node_is_declared_a_beating_or_finished_one_is_not(tcp, group):
         lead.watch_nodes(store, t)
         # a stranger's beat for the silent node is not a beat
         stranger.set(f"{NS}/{P.node_key(P.NODE_BEAT, 'n2')}", f"{2**62} {C}")
+        stranger.get(f"{NS}/{P.node_key(P.NODE_BEAT, 'n2')}")
         for step in range(1, 6):
             store.send_node_heartbeat("n1", [B])
             lead.watch_nodes(store, t + step)
@@ -193,7 +194,9 @@ def test_a_silent_node_is_declared_a_beating_or_finished_one_is_not(tcp, group):
         me.wait()
 
 
-def test_a_peer_never_placed_is_declared_after_the_timeout(tcp, group, caplog):
+def test_a_peer_whose_placement_a_stranger_destroyed_is_never_declared(tcp, group, caplog):
+    """Every member is placed before it first arrives: an unreadable placement is a
+    stranger's overwrite, logged once, and never an expulsion."""
     store, stranger = tcp
     lead = leader(group, store, timeout=2.0)
     me = sleeper()
@@ -203,13 +206,19 @@ def test_a_peer_never_placed_is_declared_after_the_timeout(tcp, group, caplog):
         with open(os.path.join(group, node._member_file(A)), "w") as f:
             f.write(registration.encode())
         lead.refresh()
-        stranger.set(f"{NS}/{P.PLACED}/{B}", "n1")  # forged: no placement
-        with caplog.at_level(logging.WARNING):
-            lead.watch_nodes(store, 0.0)
-            lead.watch_nodes(store, 1.0)
-            assert not store.is_terminated(B)
-            lead.watch_nodes(store, 2.5)
-        assert store.is_terminated(B)
+        store.place(B, "n1")
+        stranger.set(f"{NS}/{P.PLACED}/{B}", "n1")  # overwritten: no authentic placement
+        stranger.get(f"{NS}/{P.PLACED}/{B}")  # (a set is not answered: this one is, after it)
+        with caplog.at_level(logging.WARNING, "inprocess.node"):
+            for t in (0.0, 1.0, 5.0, 50.0):
+                lead.watch_nodes(store, t)
+        assert not store.is_terminated(B)
+        assert [r.getMessage() for r in caplog.records if r.name == "inprocess.node"] == [
+            f"rank {B} has no authentic placement: its node is not watched"
+        ]
+        store.place(B, "n1")  # placed again: watched from then on
+        lead.watch_nodes(store, 60.0)
+        assert lead.node_of[B] == "n1" and "n1" in lead.nodes_seen
     finally:
         lead.close()
         me.kill()
