@@ -519,6 +519,14 @@ class _Guardian:
             where,
             self.config.parent_pid,
         )
+        # The death is recorded with its reason before the kill: whoever sees the
+        # process exit first (the job controller, the node's leader) would record a
+        # plain "killed by SIGKILL", and the first record stands. (The rank is no
+        # member from here: it is stuck, and killed next.)
+        try:
+            self.store.mark_terminated(self.config.identity, self.stuck_reason)
+        except Exception as ex:
+            log.warning("cannot record why rank %s is ended: %s", self.config.identity, ex)
         # Its signals may be blocked (and SIGTERM's handlers cannot run in a
         # thread stuck in C): only SIGKILL ends it.
         _send(self.config.parent_pid, signal.SIGCONT, signal.SIGKILL)

@@ -218,5 +218,5 @@ def test_stuck_rank_is_replaced_under_inprocess_run(tmp_path):
     whats = [i["what"] for i in incidents.build(records)]
     assert any(
         w.endswith("(killed by SIGKILL)") and w.startswith("rank 2 on node 1") for w in whats
-    )
+    ), whats
     check_stuck_rank_ended(records, full_size=4)
