@@ -246,13 +246,21 @@ class NodeMember:
     def receive(self, timeout: float | None = None) -> int | bool | None:
         """The next fault count the leader sends: an ``int``; ``None`` when the
         leader's fault watch cannot reach the store; ``False`` when nothing came
-        within ``timeout``."""
-        assert self.sock is not None
-        self.sock.settimeout(timeout)
+        within ``timeout``.
+
+        Raises:
+            OSError: the member left (:meth:`leave`).
+        """
+        sock = self.sock
+        if sock is None:
+            raise OSError("the member left its node group")
+        sock.settimeout(timeout)
         try:
-            data = self.sock.recv(64)
+            data = sock.recv(64)
         except TimeoutError:
             return False
+        if not data:  # shut down by leave()
+            raise OSError("the member left its node group")
         if data == b"-":
             return None
         try:
@@ -267,9 +275,14 @@ class NodeMember:
         if finished:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
-        if self.sock is not None:
-            self.sock.close()
-            self.sock = None
+        sock, self.sock = self.sock, None
+        if sock is not None:
+            # Invariant: a thread blocked in receive() is woken by the shutdown (its
+            # recv returns no data: it raises and never touches the socket again)
+            # before the descriptor is closed, so it never reads a number reused.
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.socket_path)
         remove_if_empty(self.directory, lock_fd)
@@ -417,9 +430,10 @@ class _NodeSeen:
 class NodeLeader:
     """The duties of the node's leader (see the module docstring), in a monitor process.
 
-    :meth:`run` blocks until this process holds the group's lock, then leads
-    until the process exits. ``connect()`` gives a new store client (a thread's
-    own: the fault watch blocks its client).
+    :meth:`run` waits until this process holds the group's lock, then leads
+    until :meth:`stop` (the member leaving) or the process's exit, which hands
+    the lock to the next member. ``connect()`` gives a new store client (a
+    thread's own: the fault watch blocks its client).
     """
 
     def __init__(

@@ -108,6 +108,25 @@ def test_fault_counts_reach_every_member_over_its_socket(group):
     assert [m.receive(5) for m in members] == [3, 3]
     assert [m.receive(5) for m in members] == [None, None]
     assert members[0].receive(0.05) is False  # nothing more
+    # a thread blocked in receive() is woken when its member leaves, and ends
+    import threading
+
+    ended = []
+
+    def hear() -> None:
+        try:
+            members[1].receive()
+        except OSError:
+            ended.append(True)
+
+    listener = threading.Thread(target=hear)
+    listener.start()
+    time.sleep(0.1)
+    members[1].leave(finished=False)
+    listener.join(5)
+    assert ended == [True] and not listener.is_alive()
+    members[1] = node.NodeMember(group, B, os.getpid())
+    members[1].join()
     # a member's registration lists what the leader needs, and nothing malformed counts
     members[0].set_peers([B, C])
     with open(os.path.join(group, "r.junk"), "w") as f:
