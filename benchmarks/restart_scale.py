@@ -31,7 +31,8 @@ by an empty round. ``--steady SECONDS`` also runs a few real ``Wrapper`` ranks
 (processes with monitor thread and monitor process) in a function that only
 sleeps, and counts the server's operations per rank per second with no fault
 (``--steady-spares K``: K of them are spares, which wait in the completion
-barrier meanwhile).
+barrier meanwhile; ``--steady-nodes K``: the ranks run as K simulated nodes,
+``INPROCESS_NODE`` set per rank, each node with its own node group).
 
     python benchmarks/restart_scale.py --ranks 1024,4096 --json
 """

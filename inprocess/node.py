@@ -96,12 +96,28 @@ def group_dir(namespace: str, node: str, address: str) -> str:
     Two jobs on one host share a group only if they share the store and the
     call namespace, that is, if they are one job.
     """
-    digest = hashlib.blake2b(f"{address}\0{namespace}\0{node}".encode(), digest_size=8)
     base = tempfile.gettempdir()
     root = os.path.join(base, f"inprocess-{os.getuid()}")
     if len(root) + 40 > _MAX_SOCKET_PATH:
         root = f"/tmp/inprocess-{os.getuid()}"  # a long TMPDIR: sockets must fit
+    # the root is in the digest: the name a group beats under (group_of) is its own
+    digest = hashlib.blake2b(f"{root}\0{address}\0{namespace}\0{node}".encode(), digest_size=8)
     return os.path.join(root, digest.hexdigest())
+
+
+def group_of(namespace: str, node: str, store: Any) -> tuple[str, str]:
+    """The node group of a rank of call ``namespace`` on ``node`` using ``store``: its
+    directory, and the name it beats under (``<node>.<group digest>``).
+
+    The name is the group's own, so two groups of one node (ranks with another
+    temporary directory) beat apart and each is watched; on a store this cannot
+    tell apart from another, each rank is a group of its own.
+    """
+    address = store_address(store)
+    if address is None:
+        address = f"pid:{os.getpid()}"
+    directory = group_dir(namespace, node, address)
+    return directory, f"{node}.{os.path.basename(directory)[:8]}"
 
 
 def _private_dir(path: str) -> None:

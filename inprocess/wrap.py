@@ -641,13 +641,8 @@ class CallWrapper:
         # rung by the monitor process's fault watch: the monitor thread reads the board then
         doorbell = Doorbell()
         cleanup.callback(doorbell.close)  # (after the monitor thread and process have stopped)
-        # The ranks of a node share one group for their liveness (inprocess.node); on a
-        # store this cannot tell apart from another, each rank is a node of its own.
-        node = _node.node_name()
-        address = _node.store_address(raw)
-        if address is None:
-            node, address = f"{node[:40]}.{os.getpid()}", f"pid:{os.getpid()}"
-        group = _node.group_dir(self.namespace, node, address)
+        # The ranks of a node share one group for their liveness (inprocess.node).
+        group, node = _node.group_of(self.namespace, _node.node_name(), raw)
         monitor = MonitorProcess(
             MonitorConfig(
                 identity=self.identity,
