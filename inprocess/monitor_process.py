@@ -56,7 +56,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-from .node import NodeLeader, NodeMember
+from .node import NodeLeader, NodeMember, group_dir
 from .progress_watchdog import ProgressBoard, ring
 from .protocol import Peers
 
@@ -389,9 +389,13 @@ class _Guardian:
         self.kill_started: float | None = None
         self.kill_escalated = False
         self.membership_iteration = -1
-        self.member = NodeMember(config.node_group, config.identity, config.parent_pid)
+        # (no group given: a group of this rank alone)
+        group = config.node_group or group_dir(
+            config.namespace, config.node, f"pid:{config.parent_pid}"
+        )
+        self.member = NodeMember(group, config.identity, config.parent_pid)
         self.leader = NodeLeader(
-            config.node_group,
+            group,
             config.node,
             self._connect,
             heartbeat_interval=config.heartbeat_interval,
