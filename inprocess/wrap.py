@@ -181,10 +181,11 @@ class Wrapper:
             restarts (a hang that recurs after every restart), terminates the
             rank's process with SIGTERM; waiting for peers in the restart
             procedure does not count.
-        heartbeat_timeout: a rank whose heartbeats stop for this long is terminated.
-        heartbeat_interval: how often the monitor process sends heartbeats and
-            checks its peers' (default: a quarter of ``heartbeat_timeout``, at
-            least ``monitor_process_interval``).
+        heartbeat_timeout: the ranks of a node whose heartbeats stop for this long
+            are terminated (one heartbeat per node, see :mod:`inprocess.node`).
+        heartbeat_interval: how often a node's heartbeat is sent and the nodes of
+            its ranks' peers are checked (default: a quarter of
+            ``heartbeat_timeout``, at least ``monitor_process_interval``).
         barrier_timeout: timeout of the restart procedure's barriers.
         completion_timeout: how long finished ranks wait for the others.
         last_call_wait: collects concurrent faults before interrupting.
