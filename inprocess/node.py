@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import protocol as P
+from .failover.processes import process_start_time
 
 log = logging.getLogger(__name__)
 
@@ -132,24 +133,13 @@ def _private_dir(path: str) -> None:
             )
 
 
-def _start_time(pid: int) -> int | None:
-    """The start time of process ``pid`` (clock ticks since boot), ``None`` when gone.
-    With the pid it names one process: a pid reused later has another."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    return int(stat.rsplit(b")", 1)[1].split()[19])
-
-
 @dataclass
 class Registration:
     """A rank's registration file: who it is and which processes stand for it."""
 
     identity: str
     rank_pid: int
-    rank_start: int
+    rank_start: float  # (with the pid, one process: see process_start_time)
     monitor_pid: int
     peers: list[str] = field(default_factory=list)
 
@@ -163,7 +153,7 @@ class Registration:
             found = cls(
                 identity=str(data["identity"]),
                 rank_pid=int(data["rank_pid"]),
-                rank_start=int(data["rank_start"]),
+                rank_start=float(data["rank_start"]),
                 monitor_pid=int(data["monitor_pid"]),
                 peers=[str(p) for p in data["peers"]],
             )
@@ -223,7 +213,7 @@ class NodeMember:
         The socket is bound before the registration is written: a leader that
         finds the registration can reach the member.
         """
-        start = _start_time(self.rank_pid)
+        start = process_start_time(self.rank_pid)
         if start is None:
             raise ProcessLookupError(self.rank_pid)
         self.rank_start = start
@@ -316,16 +306,27 @@ def remove_if_empty(directory: str, lock_fd: int | None = None) -> None:
     if fd is None:
         return
     try:
-        names = os.listdir(directory)
-        if any(n.startswith(_MEMBER) and not n.endswith(".tmp") for n in names):
+        if any(n.startswith(_MEMBER) and not n.endswith(".tmp") for n in os.listdir(directory)):
             return
-        for name in names:
-            with contextlib.suppress(FileNotFoundError, IsADirectoryError):
-                os.unlink(os.path.join(directory, name))
-        with contextlib.suppress(OSError):
-            os.rmdir(directory)
+        _remove_group(directory)
     finally:
         os.close(fd)
+
+
+def _remove_group(directory: str) -> bool:
+    """Removes a group's directory and what is in it (its lock held); whether it did."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return False
+    for name in names:
+        with contextlib.suppress(FileNotFoundError, IsADirectoryError):
+            os.unlink(os.path.join(directory, name))
+    try:
+        os.rmdir(directory)
+    except OSError:
+        return False
+    return True
 
 
 #: seconds a group's directory must be left unchanged before another group's leader
@@ -360,7 +361,8 @@ def sweep_stale_groups(root: str, keep: str) -> int:
         except FileNotFoundError:
             continue
         alive = any(
-            _start_time(r.rank_pid) == r.rank_start or _start_time(r.monitor_pid) is not None
+            process_start_time(r.rank_pid) == r.rank_start
+            or process_start_time(r.monitor_pid) is not None
             for r in registrations(directory)
         )
         if alive:
@@ -368,13 +370,10 @@ def sweep_stale_groups(root: str, keep: str) -> int:
         fd = _try_leadership(directory)
         if fd is None:
             continue
-        for entry in os.listdir(directory):
-            with contextlib.suppress(FileNotFoundError, IsADirectoryError):
-                os.unlink(os.path.join(directory, entry))
-        with contextlib.suppress(OSError):
-            os.rmdir(directory)
-            removed += 1
-        os.close(fd)
+        try:
+            removed += _remove_group(directory)
+        finally:
+            os.close(fd)
     return removed
 
 
@@ -416,13 +415,13 @@ class _Watched:
                     os.close(fd)
 
 
-def _open_pidfd(pid: int, start: int | None = None) -> int | None:
+def _open_pidfd(pid: int, start: float | None = None) -> int | None:
     """A pidfd of ``pid`` (of the process started at ``start`` if given); ``None``: gone."""
     try:
         fd = os.pidfd_open(pid)
     except (ProcessLookupError, OSError):
         return None
-    if start is not None and _start_time(pid) != start:
+    if start is not None and process_start_time(pid) != start:
         os.close(fd)  # the pid names another process now
         return None
     return fd

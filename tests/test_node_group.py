@@ -156,7 +156,7 @@ def test_a_rank_dead_with_its_monitor_is_declared_at_once_a_stale_registration_n
     store, _ = tcp
     rank, monitor = sleeper(), sleeper()
     os.makedirs(group, mode=0o700)
-    live = node.Registration(A, rank.pid, node._start_time(rank.pid), monitor.pid, [B])
+    live = node.Registration(A, rank.pid, node.process_start_time(rank.pid), monitor.pid, [B])
     # registrations whose processes were gone before this leader saw them: another
     # job's left behind (B: never placed in this store) is removed, never reported;
     # a rank of this job that died at once (C: placed on this node) is reported
@@ -192,7 +192,8 @@ def test_a_silent_node_is_declared_a_beating_or_finished_one_is_not(tcp, group):
     me = sleeper()
     try:
         lead = leader(group, store, timeout=2.0)
-        registration = node.Registration(A, me.pid, node._start_time(me.pid), me.pid, [B, C, D])
+        start = node.process_start_time(me.pid)
+        registration = node.Registration(A, me.pid, start, me.pid, [B, C, D])
         os.makedirs(group, mode=0o700)
         with open(os.path.join(group, node._member_file(A)), "w") as f:
             f.write(registration.encode())
@@ -233,7 +234,7 @@ def test_a_peer_whose_placement_a_stranger_destroyed_is_never_declared(tcp, grou
     me = sleeper()
     try:
         os.makedirs(group, mode=0o700)
-        registration = node.Registration(A, me.pid, node._start_time(me.pid), me.pid, [B])
+        registration = node.Registration(A, me.pid, node.process_start_time(me.pid), me.pid, [B])
         with open(os.path.join(group, node._member_file(A)), "w") as f:
             f.write(registration.encode())
         lead.refresh()
@@ -306,7 +307,7 @@ def test_stale_groups_are_swept_live_or_fresh_ones_never(tmp_path, group):
             path = node.group_dir(NS, f"swept{len(made)}", f"file://{tmp_path}")
             os.makedirs(path, mode=0o700)
             pid = me.pid if alive else 2**22 - 5
-            start = node._start_time(me.pid) if alive else 1
+            start = node.process_start_time(me.pid) if alive else 1
             with open(os.path.join(path, node._member_file(A)), "w") as f:
                 f.write(node.Registration(A, pid, start, 2**22 - 6, []).encode())
             os.utime(path, (time.time() - age, time.time() - age))
