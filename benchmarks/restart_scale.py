@@ -40,6 +40,7 @@ barrier meanwhile; ``--steady-nodes K``: the ranks run as K simulated nodes,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import logging
@@ -94,16 +95,60 @@ def _finish(raw: Any, phase: str, n: int) -> None:
         raw.set(f"bench/{phase}/done", "1")
 
 
+def call_namespace() -> str:
+    """The call namespace of a real job (a torchrun run's, keyed with a secret)."""
+    from inprocess import protocol
+    from inprocess.security import keyed_namespace
+
+    role = protocol.role_namespace(keyed_namespace("torchelastic/bench-run/0", "secret"))
+    return protocol.call_namespace(role, 0)
+
+
+def node_group(port: int, node: int) -> str:
+    """The node group's directory of simulated node ``node`` (as its ranks find it)."""
+    from inprocess.node import group_dir
+
+    return group_dir(call_namespace(), f"node{node}", f"tcp://{HOST}:{port}")
+
+
+def start_relays(port: int, nodes: list[int], per_node: int, n: int, timeout: float) -> list:
+    """The relays of simulated ``nodes``, as their leaders run them (inprocess.relay)."""
+    from inprocess.node import _private_dir
+    from inprocess.relay import NodeRelay
+    from inprocess.store import PrefixStore, TCPStore
+
+    def connect() -> Any:
+        raw = TCPStore(host_name=HOST, port=port, is_master=False, timeout=_td(timeout))
+        return PrefixStore(call_namespace(), raw)
+
+    relays = []
+    for node in nodes:
+        directory = node_group(port, node)
+        _private_dir(directory)
+        local = min(per_node, n - node * per_node)
+        relay = NodeRelay(directory, connect, expected=lambda local=local: local)
+        relay.start()
+        relays.append(relay)
+    return relays
+
+
 def rank_main(
-    port: int, rank: int, n: int, rounds: int, timeout: float, ends: dict[str, float], errors: list
+    port: int,
+    rank: int,
+    n: int,
+    rounds: int,
+    timeout: float,
+    per_node: int,
+    ends: dict[str, float],
+    errors: list,
 ) -> None:
     """One simulated rank: the Wrapper's code for the setup and for ``rounds`` restarts."""
     import torch.distributed.elastic.utils.store as elastic_store
 
-    from inprocess import Wrapper, protocol, records
+    from inprocess import Wrapper, records
     from inprocess.monitor_thread import RankShouldRestart
     from inprocess.progress_watchdog import ProgressBoard
-    from inprocess.security import keyed_namespace
+    from inprocess.relay import RelayClient
     from inprocess.state import State
     from inprocess.store import PrefixStore, TCPStore, new_identity
     from inprocess.wrap import CallWrapper, _Result
@@ -120,9 +165,9 @@ def rank_main(
         # where the rank hands its monitor process the peers to watch (local memory;
         # before, a store record its monitor process read)
         cw._board = ProgressBoard()
-        # the call namespace of a real job (a torchrun run's, keyed with a secret)
-        role = protocol.role_namespace(keyed_namespace("torchelastic/bench-run/0", "secret"))
-        cw.store = PrefixStore(protocol.call_namespace(role, 0), raw)
+        cw.store = PrefixStore(call_namespace(), raw)
+        if per_node > 1:
+            cw._relay = RelayClient(node_group(port, rank // per_node), cw.identity)
         members = cw._initial_barrier()
         current = cw._iteration_barrier(0, cw._copy_state(), members, set(), [])
         _finish(raw, "setup", n)
@@ -157,20 +202,34 @@ def rank_main(
                 elastic_store.barrier(raw, n, f"torchbarrier/{k}/{attempt}", timeout, rank=rank)
             ends[f"torch{k}"] = max(ends.get(f"torch{k}", 0.0), time.monotonic())
             _finish(raw, f"torch{k}", n)
+        if cw._relay is not None:
+            cw._relay.close()
         del cw
     except BaseException as ex:  # reported by the main process
         errors.append(f"rank {rank}: {type(ex).__name__}: {ex}")
 
 
-def worker(port: int, ranks: list[int], n: int, rounds: int, timeout: float, out: Any) -> None:
+def worker(
+    port: int,
+    ranks: list[int],
+    nodes: list[int],
+    n: int,
+    rounds: int,
+    timeout: float,
+    per_node: int,
+    out: Any,
+) -> None:
     logging.basicConfig(level=logging.ERROR)
     logging.getLogger("inprocess").setLevel(logging.ERROR)
     threading.stack_size(512 * 1024)
     ends: dict[str, float] = {}
     errors: list[str] = []
+    relays = start_relays(port, nodes, per_node, n, timeout) if per_node > 1 else []
     threads = [
         threading.Thread(
-            target=rank_main, args=(port, r, n, rounds, timeout, ends, errors), daemon=True
+            target=rank_main,
+            args=(port, r, n, rounds, timeout, per_node, ends, errors),
+            daemon=True,
         )
         for r in ranks
     ]
@@ -178,13 +237,17 @@ def worker(port: int, ranks: list[int], n: int, rounds: int, timeout: float, out
         thread.start()
     for thread in threads:
         thread.join()
+    for relay in relays:
+        relay.stop()
+        with contextlib.suppress(OSError):
+            os.rmdir(relay.directory)
     out.put((ends, errors))
 
 
 # ----------------------------------------------------------------------------- one N
 
 
-def run(n: int, procs: int, rounds: int, timeout: float) -> dict[str, Any]:
+def run(n: int, procs: int, rounds: int, timeout: float, per_node: int = 1) -> dict[str, Any]:
     from inprocess.store import TCPStore
 
     ctx = multiprocessing.get_context("spawn")
@@ -196,12 +259,22 @@ def run(n: int, procs: int, rounds: int, timeout: float) -> dict[str, Any]:
     workers = [
         ctx.Process(
             target=worker,
-            args=(port, list(range(p, n, procs)), n, rounds, timeout, out),
+            args=(
+                port,
+                list(range(p, n, procs)),
+                list(range(p, -(-n // per_node), procs)) if per_node > 1 else [],
+                n,
+                rounds,
+                timeout,
+                per_node,
+                out,
+            ),
             daemon=True,
         )
         for p in range(procs)
     ]
-    result: dict[str, Any] = {"ranks": n, "procs": procs, "rounds": rounds}
+    result: dict[str, Any] = {"ranks": n, "ranks_per_node": per_node, "procs": procs}
+    result["rounds"] = rounds
     control = TCPStore(host_name=HOST, port=port, is_master=False, timeout=_td(timeout))
     deadline = time.monotonic() + timeout
 
@@ -380,6 +453,12 @@ def main() -> None:
     parser.add_argument("--ranks", default="256,1024", help="comma-separated simulated ranks")
     parser.add_argument("--procs", type=int, default=8, help="worker processes (threads split)")
     parser.add_argument("--rounds", type=int, default=3, help="restarts per N (median)")
+    parser.add_argument(
+        "--ranks-per-node",
+        type=int,
+        default=8,
+        help="simulated ranks per node, each node with its arrival relay (1: no relay)",
+    )
     parser.add_argument("--timeout", type=float, default=300, help="seconds per N, in all")
     parser.add_argument("--steady", type=float, default=0, help="seconds of steady state (0: no)")
     parser.add_argument("--steady-ranks", type=int, default=4)
@@ -397,6 +476,8 @@ def main() -> None:
         parser.error(f"--ranks must be comma-separated integers, got {args.ranks!r}")
     if any(n < 2 for n in sizes):
         parser.error("--ranks: every size must be at least 2")
+    if args.ranks_per_node < 1:
+        parser.error(f"--ranks-per-node must be at least 1, got {args.ranks_per_node}")
     if not 1 <= args.steady_nodes <= args.steady_ranks:
         parser.error(
             f"--steady-nodes must be at least 1 and at most --steady-ranks "
@@ -415,7 +496,7 @@ def main() -> None:
             print(", ".join(f"{k}={v}" for k, v in output.items()), flush=True)
 
     for n in sizes:
-        show(run(n, args.procs, args.rounds, args.timeout))
+        show(run(n, args.procs, args.rounds, args.timeout, args.ranks_per_node))
     if args.steady > 0:
         show(steady(args.steady_ranks, args.steady, args.steady_spares, args.steady_nodes))
 

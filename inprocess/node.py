@@ -47,6 +47,7 @@ from typing import Any
 
 from . import protocol as P
 from .failover.processes import process_start_time
+from .relay import NodeRelay
 
 log = logging.getLogger(__name__)
 
@@ -486,6 +487,7 @@ class NodeLeader:
         self.fd: int | None = None
         self.stopped = False
         self.fault_watch: threading.Thread | None = None
+        self.relay: NodeRelay | None = None
 
     # ------------------------------------------------------------------ the loop
 
@@ -512,13 +514,24 @@ class NodeLeader:
             target=self._watch_faults, name="node-fault-watch", daemon=True
         )
         self.fault_watch.start()
+        # the node's restarts' arrivals (inprocess.relay)
+        relay = NodeRelay(self.directory, self.connect, chunk=self.fault_chunk)
+        try:
+            relay.start()
+        except OSError as ex:
+            log.warning("node %s: no arrival relay (%s); ranks arrive on their own", self.node, ex)
+            relay = None
+        self.relay = relay
         try:
             self._lead()
         finally:
             self.close()
 
     def close(self) -> None:
-        """Closes the pidfds of the ranks watched."""
+        """Stops the relay; closes the pidfds of the ranks watched."""
+        relay, self.relay = self.relay, None
+        if relay is not None:
+            relay.stop(wait=False)
         for watched in self.watched.values():
             watched.close()
         self.watched.clear()

@@ -57,6 +57,7 @@ Rendezvous
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import logging
@@ -65,7 +66,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from errno import EADDRINUSE
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
@@ -73,6 +74,9 @@ from . import protocol as P
 from .exception import StoreError
 from .exception import TimeoutError as RestartTimeoutError
 from .security import bound_port, keyed_namespace, listen_fd, open_records, reject, seal
+
+if TYPE_CHECKING:
+    from .relay import RelayClient
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +95,10 @@ COUNTED_WAIT = 1.0
 #: :mod:`inprocess.progress_watchdog`): one chunk must never come near it.
 WAIT_CHUNK = 2.0
 WAIT_CHUNK_MAX = 30.0
+#: wait chunks in a row with no answer from the node's relay (at 2 s, then 4 s) after
+#: which a rank arrives on its own: a relay alive but stuck costs a few seconds, not the
+#: barrier's timeout (arriving twice is harmless; see StoreMixin._relayed)
+RELAY_PATIENCE = 2
 
 
 class WakeWait:
@@ -316,6 +324,11 @@ class StoreMixin:
     def add_entry(self, key: str, value: str) -> None:
         """Appends one sealed record of ``value`` to the list at ``key``."""
         self.append(key, seal(self.full_key(key), value))
+
+    def add_entries(self, key: str, values: Sequence[str]) -> None:
+        """Appends sealed records of ``values`` to the list at ``key``, in one operation."""
+        name = self.full_key(key)
+        self.append(key, "".join(seal(name, value) for value in values))
 
     def decode_entries(self, key: str, raw: bytes | str | None) -> list[str]:
         """The authentic records of a raw value read from ``key``."""
@@ -637,6 +650,7 @@ class StoreMixin:
         decide: Callable[[dict[str, str], set[str], int], str],
         poll_limit: float,
         on_wait: Callable[[], None] | None = None,
+        relay: RelayClient | None = None,
     ) -> str:
         """Arrives at rendezvous ``name`` with ``value`` and returns its decision.
 
@@ -645,13 +659,22 @@ class StoreMixin:
         fault_baseline)`` with the values of the arrived participants, the
         terminated participants (arrived or not) and the fault count read before
         them; its result is published once and returned to everyone. ``on_wait``
-        runs between polls.
+        runs between polls. With ``relay``, the arrival and the wait go through
+        the node's relay (:mod:`inprocess.relay`) while one runs.
         """
         members = list(participants)
         if identity not in members:
             raise StoreError(f"{identity} is not a participant of rendezvous {name!r}")
         if "\n" in value:
             raise ValueError("rendezvous values must be single-line")
+        deadline = time.monotonic() + timeout.total_seconds()
+        if relay is not None:
+            relayed = self._relayed(
+                name, identity, members, value, deadline, decide, on_wait, relay
+            )
+            if relayed is not None:
+                return relayed
+            timeout = datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.0))
         done_key = P.done_key(name)
         # The last to arrive decides at once. Waiters block on the call's next
         # wake-up (the store wakes them: no polling): a decision published or a
@@ -694,11 +717,84 @@ class StoreMixin:
             waiter.wait()
             if on_wait is not None:
                 on_wait()
+        return self._publish(name, members, decide)
+
+    def _publish(
+        self,
+        name: str,
+        members: Sequence[str],
+        decide: Callable[[dict[str, str], set[str], int], str],
+    ) -> str:
+        """Decides a complete rendezvous, publishes the decision once, wakes the waiters."""
         decision = self._decide(name, members, decide)
-        won, published = self.set_once(done_key, decision)
+        won, published = self.set_once(P.done_key(name), decision)
         if won:
             self.wake_waiters()
         return published
+
+    def _relayed(
+        self,
+        name: str,
+        identity: str,
+        members: list[str],
+        value: str,
+        deadline: float,
+        decide: Callable[[dict[str, str], set[str], int], str],
+        on_wait: Callable[[], None] | None,
+        relay: RelayClient,
+    ) -> str | None:
+        """The rendezvous through the node's relay: its decision, or ``None`` where the
+        rank must arrive on its own (no relay took the arrival, or its process died,
+        or it stopped). Arriving again then is harmless: the first record of an
+        identity stands, and the counter only says when to look."""
+        if not relay.arrive(name, identity, value, len(members)):
+            return None
+        counted: set[str] = set()
+        chunk = min(WAIT_CHUNK, getattr(self, "wait_chunk_max", WAIT_CHUNK_MAX))
+        silent = 0  # wait chunks with no answer from the relay
+        while True:
+            answer = relay.receive(name, min(chunk, max(deadline - time.monotonic(), 0.0)))
+            complete = False
+            if answer is None:
+                # a chunk with no answer: look at the store itself (an answer lost
+                # to a full socket queue, a relay that died)
+                if on_wait is not None:
+                    on_wait()
+                published = P.first_or_none(self.entries(P.done_key(name)))
+                if published is not None:
+                    return published
+                if time.monotonic() >= deadline:
+                    raise BarrierTimeout(
+                        f"rendezvous {name!r} timed out "
+                        f"({self.counter(P.count_key(name))}/{len(members)} arrived)"
+                    )
+                silent += 1
+                if not relay.relay_alive() or silent >= RELAY_PATIENCE:
+                    log.warning(
+                        "%s: no answer from the node's relay at %r; arriving on its own",
+                        identity,
+                        name,
+                    )
+                    return None
+                chunk = min(chunk * 2, getattr(self, "wait_chunk_max", WAIT_CHUNK_MAX))
+                continue
+            kind, text = answer
+            silent = 0
+            if kind == "decision":
+                return text
+            if kind == "fetch":
+                published = P.first_or_none(self.entries(P.done_key(name)))
+                if published is not None:
+                    return published
+            elif kind == "direct":
+                return None
+            elif kind == "check":
+                complete = self._complete(name, members)
+            elif kind == "dead":
+                with contextlib.suppress(ValueError):
+                    complete = self._count_the_dead(name, members, counted, int(text))
+            if complete:
+                return self._publish(name, members, decide)
 
     # ------------------------------------------------------------------ wake-ups
 

@@ -75,6 +75,7 @@ from .monitor_thread import InterruptSignal, MonitorThread, RankShouldRestart
 from .progress_watchdog import Doorbell, ProgressBoard, ProgressWatchdog
 from .rank_assignment import RankAssignment, RankDiscarded
 from .rank_filter import RankFilter
+from .relay import RelayClient
 from .state import Mode, State
 from .store import (
     WAIT_CHUNK,
@@ -400,7 +401,7 @@ class CallWrapper:
         self.wrapper = wrapper
         self._config = wrapper.config
         #: every State that may hold this call's store (weakly), see _release_store
-        self._states: list[weakref.ref[State]] = []
+        self._states: dict[int, weakref.ref[State]] = {}
         self.state = State()
         self.identity = new_identity(self.state.initial_rank, incarnation_from_env())
         self._lock = threading.RLock()
@@ -408,6 +409,8 @@ class CallWrapper:
         self.namespace = ""
         self.store: PrefixStore | None = None
         self._board: ProgressBoard | None = None
+        #: the node's arrival relay (inprocess.relay); None: arrivals go to the store
+        self._relay: RelayClient | None = None
         self._monitor_process: MonitorProcess | None = None
         self._watchdog: ProgressWatchdog | None = None
         self._interrupt: InterruptSignal | None = None
@@ -441,10 +444,11 @@ class CallWrapper:
 
     def _track(self, state: State) -> State:
         """Remembers a State that may hold the call's store, so releasing can clear it."""
-        if not any(ref() is state for ref in self._states):
+        known = self._states.get(id(state))
+        if known is None or known() is not state:
             if len(self._states) >= 64:
-                self._states = [ref for ref in self._states if ref() is not None]
-            self._states.append(weakref.ref(state))
+                self._states = {k: r for k, r in self._states.items() if r() is not None}
+            self._states[id(state)] = weakref.ref(state)
         return state
 
     @property
@@ -644,6 +648,9 @@ class CallWrapper:
         cleanup.callback(doorbell.close)  # (after the monitor thread and process have stopped)
         # The ranks of a node share one group for their liveness (inprocess.node).
         group, node = _node.group_of(self.namespace, _node.node_name(), raw)
+        # ...and its restarts' arrivals, through the group's leader
+        self._relay = RelayClient(group, self.identity)
+        cleanup.callback(self._relay.close)
         monitor = MonitorProcess(
             MonitorConfig(
                 identity=self.identity,
@@ -787,7 +794,7 @@ class CallWrapper:
         ``fn_exception`` goes too: its traceback reaches frames that held the store.
         """
         self.store = None
-        for ref in self._states:
+        for ref in self._states.values():
             state = ref()
             if state is not None:
                 state.store = None
@@ -895,7 +902,10 @@ class CallWrapper:
             if previous is not None:
                 value, assigned = self._assign_rank(previous, prev_members, terminated, name)
             planned = assigned.copy()
-            participants = [m for m in prev_members if m not in terminated] + joiners
+            # (a copy at C speed in the common case: nobody out)
+            out = terminated.intersection(prev_members) if terminated else ()
+            participants = [m for m in prev_members if m not in out] if out else list(prev_members)
+            participants += joiners
             published = self.store.rendezvous(
                 name,
                 self.identity,
@@ -904,6 +914,7 @@ class CallWrapper:
                 _td(self._config.barrier_timeout),
                 functools.partial(_decide_membership, self.store, participants),
                 self._restart_poll,
+                relay=self._relay,
             )
             try:
                 decision = protocol.decode_membership(published, participants)
@@ -923,7 +934,10 @@ class CallWrapper:
             self.state = s = assigned
             s.store = self.store
             s.iteration = iteration
-            s.rank = members.index(self.identity)
+            # where it was, in the common case (nobody before it left): no search
+            hint = s.rank if s.rank is not None else -1
+            fits = 0 <= hint < len(members) and members[hint] == self.identity
+            s.rank = hint if fits else members.index(self.identity)
             s.world_size = len(members)
             if w.generation is _gen.Generation.NEWER:
                 # Its rank assignment decided the modes (its filters are steps of it).
@@ -1005,6 +1019,7 @@ class CallWrapper:
                 _td(self._config.barrier_timeout),
                 decide,
                 self._restart_poll,
+                relay=self._relay,
             )
         )
         self._restart_cause = decision.cause

@@ -10,6 +10,11 @@ does, which measures the same at thousands of ranks).
 from __future__ import annotations
 
 import datetime
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 import types
@@ -22,6 +27,7 @@ from inprocess.exception import InternalError
 from inprocess.monitor_thread import RankShouldRestart
 from inprocess.progress_watchdog import ProgressBoard
 from inprocess.protocol import Peers
+from inprocess.relay import RELAY_OWNER, NodeRelay, RelayClient
 from inprocess.state import State
 from inprocess.store import PrefixStore, TCPStore, new_identity
 from inprocess.wrap import CallWrapper, _Result
@@ -53,13 +59,38 @@ class CountingStore(PrefixStore):
 
 
 class Ranks:
-    """``n`` simulated ranks, set up (initial barrier, iteration 0) on one server."""
+    """``n`` simulated ranks, set up (initial barrier, iteration 0) on one server.
 
-    def __init__(self, n: int) -> None:
+    With ``per_node``, every ``per_node`` consecutive ranks are a node whose
+    arrivals go through its relay (:mod:`inprocess.relay`), as under a node
+    leader; ``remote_relay``: node 0's relay runs in a process of its own.
+    """
+
+    def __init__(self, n: int, per_node: int = 1, remote_relay: bool = False) -> None:
         self.n = n
         self.server = TCPStore(host_name="127.0.0.1", port=0, is_master=True, timeout=TD)
         self.wrappers: list[CallWrapper] = [None] * n  # type: ignore[list-item]
         self.current: list[Any] = [None] * n
+        self.relays: list[NodeRelay] = []
+        self.relay_process: subprocess.Popen | None = None
+        self.root = tempfile.mkdtemp(prefix="relays")
+        self.groups = [os.path.join(self.root, f"node{k}") for k in range(-(-n // per_node))]
+        if per_node > 1:
+            for k, group in enumerate(self.groups):
+                os.mkdir(group, 0o700)
+                if k == 0 and remote_relay:
+                    argv = [group, str(self.server.port), NS, str(per_node)]
+                    self.relay_process = subprocess.Popen(
+                        [sys.executable, "-c", REMOTE_RELAY, *argv]
+                    )
+                    deadline = time.monotonic() + 60
+                    while not os.path.exists(os.path.join(group, RELAY_OWNER)):
+                        assert time.monotonic() < deadline, "the relay process did not start"
+                        time.sleep(0.05)
+                    continue
+                relay = NodeRelay(group, self.connect, expected=lambda: per_node)
+                relay.start()
+                self.relays.append(relay)
         wrapper = Wrapper(abort=None, barrier_timeout=datetime.timedelta(seconds=600))
 
         def setup(rank: int) -> None:
@@ -71,6 +102,8 @@ class Ranks:
             cw._records = records.Recorder(None, cw.identity, "", 0)
             cw._board = ProgressBoard()  # where it hands its peers to its monitor process
             cw.store = CountingStore(NS, raw)
+            if per_node > 1:
+                cw._relay = RelayClient(self.groups[rank // per_node], cw.identity)
             self.wrappers[rank] = cw
             members = cw._initial_barrier()
             self.current[rank] = cw._iteration_barrier(0, cw._copy_state(), members, set(), [])
@@ -113,21 +146,48 @@ class Ranks:
         )
         assert Peers.parse(cw._board.read_text()).iteration == current.index + 1
 
+    def connect(self) -> PrefixStore:
+        return PrefixStore(
+            NS, TCPStore(host_name="127.0.0.1", port=self.server.port, is_master=False)
+        )
+
     def close(self) -> None:
+        for relay in self.relays:
+            relay.stop()
+        if self.relay_process is not None:
+            self.relay_process.kill()
+            self.relay_process.wait()
         for cw in self.wrappers:
             if cw is not None:
+                if cw._relay is not None:
+                    cw._relay.close()
                 cw.store = None
                 cw._board.close()
         self.wrappers.clear()
         self.server = None
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+#: node 0's relay in a process of its own (argv: its group's directory, the store's
+#: port, the namespace, the ranks per node)
+REMOTE_RELAY = """
+import sys, time
+from inprocess.relay import NodeRelay
+from inprocess.store import PrefixStore, TCPStore
+directory, port, namespace, per_node = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+def connect():
+    return PrefixStore(namespace, TCPStore(host_name="127.0.0.1", port=port, is_master=False))
+NodeRelay(directory, connect, expected=lambda: per_node).start()
+time.sleep(600)
+"""
 
 
 @pytest.fixture
 def ranks():
     made: list[Ranks] = []
 
-    def make(n: int) -> Ranks:
-        made.append(Ranks(n))
+    def make(n: int, per_node: int = 1, remote_relay: bool = False) -> Ranks:
+        made.append(Ranks(n, per_node, remote_relay))
         return made[-1]
 
     yield make
@@ -157,11 +217,15 @@ def test_what_a_rank_reads_per_restart_does_not_grow_with_n(ranks):
 
 
 @pytest.mark.timeout(300)
-def test_a_rank_lost_during_the_barrier_is_counted_for_it_and_leaves_the_membership(ranks):
+@pytest.mark.parametrize("per_node", [1, 8], ids=["own-arrivals", "node-relays"])
+def test_a_rank_lost_during_the_barrier_is_counted_for_it_and_leaves_the_membership(
+    ranks, per_node
+):
     """Rank 5 never reaches the termination barrier; once it is marked terminated (as its
     monitor process does) the barrier completes without it, and the next membership has
-    every other rank."""
-    group = ranks(64)
+    every other rank. Through node relays, its node's batch goes without it (after the
+    batch window), and the relay has one of the node's ranks count it."""
+    group = ranks(64, per_node)
     lost = group.wrappers[5].identity
     survivors = [r for r in range(group.n) if r != 5]
     marked = threading.Event()
@@ -276,3 +340,79 @@ def test_initial_ranks_that_are_not_0_to_n_fail_every_rank_at_once():
     assert sorted(errors) == [0, 1, 2], errors
     for ex in errors.values():
         assert isinstance(ex, InternalError) and "initial ranks [0, 0, 2] are not 0..2" in str(ex)
+
+
+@pytest.mark.timeout(300)
+def test_a_restart_through_node_relays_reaches_the_store_per_node(ranks):
+    """240 ranks as 30 nodes of 8 (issue 24, item 3): a restart through the nodes' relays
+    gives every rank the same membership; every arrival reached the store in a node's
+    batch, and the median rank reads from the store only its fault outcome."""
+    group = ranks(240, per_node=8)
+    relayed = sum(r.relayed for r in group.relays)
+    batches = sum(r.batches for r in group.relays)
+    read = _read_per_rank(group)
+    relayed = sum(r.relayed for r in group.relays) - relayed
+    batches = sum(r.batches for r in group.relays) - batches
+    assert relayed == 2 * 240, relayed  # the termination and the iteration barrier
+    assert batches < relayed / 2, (batches, relayed)
+    assert read < 200, read
+
+
+@pytest.mark.timeout(300)
+def test_a_relay_killed_mid_barrier_costs_a_chunk_not_a_hang(ranks):
+    """Node 0's relay runs in a process of its own and is SIGKILLed once it took its ranks'
+    arrivals, while rank 15 still holds the barrier back. Its ranks find the decision in
+    the store at the end of their wait chunk, then arrive on their own at the next
+    barrier: the restart completes with every rank."""
+    group = ranks(16, per_node=8, remote_relay=True)
+    assert group.relay_process is not None
+    held = threading.Event()
+    errors: dict[int, BaseException] = {}
+
+    def restart(rank: int) -> None:
+        if rank == 15:
+            held.wait(60)
+        group.restart(rank)
+
+    runner = threading.Thread(target=lambda: errors.update(group.each(restart)))
+    runner.start()
+    time.sleep(2.0)  # node 0's arrivals are with its relay by then
+    group.relay_process.kill()
+    group.relay_process.wait()
+    killed = time.monotonic()
+    held.set()
+    runner.join(120)
+    assert not runner.is_alive() and not errors, errors
+    assert time.monotonic() - killed < 30
+    members = {tuple(c.members) for c in group.current}
+    assert len(members) == 1 and len(next(iter(members))) == 16
+
+
+@pytest.mark.timeout(60)
+def test_a_relay_ignores_garbage_and_sends_its_waiters_off_when_it_stops(tmp_path):
+    """What reaches the relay's socket malformed is dropped; a relay that stops tells the
+    ranks waiting on it to arrive on their own."""
+    import socket
+
+    server = TCPStore(host_name="127.0.0.1", port=0, is_master=True, timeout=TD)
+
+    def connect() -> PrefixStore:
+        return PrefixStore(NS, TCPStore(host_name="127.0.0.1", port=server.port, is_master=False))
+
+    relay = NodeRelay(str(tmp_path), connect, expected=lambda: 2)
+    relay.start()
+    client = RelayClient(str(tmp_path), "0/0.a")
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as garbage:
+            for data in (b"\xff\xfe", b"a\x1fb", b"n\x1fi\x1fv\x1fnotanumber\x1fr"):
+                garbage.sendto(data, str(tmp_path / "relay.sock"))
+        assert client.arrive("b/x", "0/0.a", "v", 3)
+        # one of three participants: handed to the store after the batch window, undecided
+        assert client.receive("b/x", 0.5) is None
+        assert relay.relayed == 1 and relay.batches == 1
+    finally:
+        relay.stop()
+    assert client.receive("b/x", 5) == ("direct", "")
+    assert not (tmp_path / "relay.sock").exists() and not (tmp_path / RELAY_OWNER).exists()
+    client.close()
+    assert os.listdir(tmp_path) == []
