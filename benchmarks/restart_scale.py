@@ -111,25 +111,42 @@ def node_group(port: int, node: int) -> str:
     return group_dir(call_namespace(), f"node{node}", f"tcp://{HOST}:{port}")
 
 
-def start_relays(port: int, nodes: list[int], per_node: int, n: int, timeout: float) -> list:
-    """The relays of simulated ``nodes``, as their leaders run them (inprocess.relay)."""
+def relay_host(
+    port: int, nodes: list[int], per_node: int, n: int, timeout: float, ready: Any, stop: Any
+) -> None:
+    """A process hosting the relays of simulated ``nodes``, as their leaders run them
+    (inprocess.relay): in a process of its own, as a node leader's monitor process
+    is. Each relay has its own waiting client; the relays of this process share the
+    client they append batches with (one server connection, not one per node: at
+    16k ranks the server's descriptors run out otherwise)."""
     from inprocess.node import _private_dir
     from inprocess.relay import NodeRelay
     from inprocess.store import PrefixStore, TCPStore
+
+    logging.basicConfig(level=logging.ERROR)
+    logging.getLogger("inprocess").setLevel(logging.ERROR)
 
     def connect() -> Any:
         raw = TCPStore(host_name=HOST, port=port, is_master=False, timeout=_td(timeout))
         return PrefixStore(call_namespace(), raw)
 
+    shared = connect()
     relays = []
     for node in nodes:
         directory = node_group(port, node)
         _private_dir(directory)
         local = min(per_node, n - node * per_node)
-        relay = NodeRelay(directory, connect, expected=lambda local=local: local)
+        relay = NodeRelay(
+            directory, connect, expected=lambda local=local: local, append_store=shared
+        )
         relay.start()
         relays.append(relay)
-    return relays
+    ready.put(len(relays))
+    stop.wait()
+    for relay in relays:
+        relay.stop()
+        with contextlib.suppress(OSError):
+            os.rmdir(relay.directory)
 
 
 def rank_main(
@@ -212,7 +229,6 @@ def rank_main(
 def worker(
     port: int,
     ranks: list[int],
-    nodes: list[int],
     n: int,
     rounds: int,
     timeout: float,
@@ -224,7 +240,6 @@ def worker(
     threading.stack_size(512 * 1024)
     ends: dict[str, float] = {}
     errors: list[str] = []
-    relays = start_relays(port, nodes, per_node, n, timeout) if per_node > 1 else []
     threads = [
         threading.Thread(
             target=rank_main,
@@ -237,10 +252,6 @@ def worker(
         thread.start()
     for thread in threads:
         thread.join()
-    for relay in relays:
-        relay.stop()
-        with contextlib.suppress(OSError):
-            os.rmdir(relay.directory)
     out.put((ends, errors))
 
 
@@ -259,20 +270,26 @@ def run(n: int, procs: int, rounds: int, timeout: float, per_node: int = 1) -> d
     workers = [
         ctx.Process(
             target=worker,
-            args=(
-                port,
-                list(range(p, n, procs)),
-                list(range(p, -(-n // per_node), procs)) if per_node > 1 else [],
-                n,
-                rounds,
-                timeout,
-                per_node,
-                out,
-            ),
+            args=(port, list(range(p, n, procs)), n, rounds, timeout, per_node, out),
             daemon=True,
         )
         for p in range(procs)
     ]
+    # the nodes' relays, in processes of their own, up before the first rank arrives
+    nodes = -(-n // per_node) if per_node > 1 else 0
+    ready, relays_stop = ctx.Queue(), ctx.Event()
+    hosts = [
+        ctx.Process(
+            target=relay_host,
+            args=(port, list(range(h, nodes, procs)), per_node, n, timeout, ready, relays_stop),
+            daemon=True,
+        )
+        for h in range(min(procs, nodes))
+    ]
+    for host in hosts:
+        host.start()
+    for _ in hosts:
+        ready.get(timeout=120)
     result: dict[str, Any] = {"ranks": n, "ranks_per_node": per_node, "procs": procs}
     result["rounds"] = rounds
     control = TCPStore(host_name=HOST, port=port, is_master=False, timeout=_td(timeout))
@@ -335,6 +352,11 @@ def run(n: int, procs: int, rounds: int, timeout: float, per_node: int = 1) -> d
         if process.is_alive():
             process.kill()
             process.join(5)
+    relays_stop.set()
+    for host in hosts:
+        host.join(30)
+        if host.is_alive():
+            host.kill()
     stop.set()
     server.join(30)
     if server.is_alive():

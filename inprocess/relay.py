@@ -194,8 +194,9 @@ class NodeRelay:
     """The relay of a node group (see the module docstring), run by its leader.
 
     ``connect()`` gives a new store client of the call's namespace; the relay
-    takes two (one blocks in waits). ``expected()`` is the number of ranks on
-    the node (default: the registrations in ``directory``).
+    takes two (one blocks in waits), or one given ``append_store`` (a client to
+    append batches with, which may be shared). ``expected()`` is the number of
+    ranks on the node (default: the registrations in ``directory``).
     """
 
     def __init__(
@@ -205,8 +206,10 @@ class NodeRelay:
         expected: Callable[[], int] | None = None,
         chunk: float = 2.0,
         pause: float = 0.01,
+        append_store: Any | None = None,
     ) -> None:
         self.directory = directory
+        self.append_store = append_store
         self.connect = connect
         self.expected = expected or self._registered
         self.chunk = chunk
@@ -297,7 +300,7 @@ class NodeRelay:
 
     def _receive(self) -> None:
         """Takes arrivals; appends each rendezvous' batch once complete or due."""
-        store = None
+        store = self.append_store
         sock = self.sock
         assert sock is not None
         while not self.stopped:

@@ -11,7 +11,6 @@ iteration in ``fn_exception``.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import enum
 import os
@@ -117,9 +116,8 @@ class State:
         self.active_rank = self.rank if self.mode == Mode.ACTIVE else None
 
     def copy(self) -> State:
-        """A shallow copy: the store and the exception are shared, not copied (and the
-        fields, valid already, are not checked again)."""
-        return copy.copy(self)
+        """A shallow copy: the store and the exception are shared, not copied."""
+        return dataclasses.replace(self)
 
     def freeze(self) -> FrozenState:
         """A read-only snapshot, what the newer generation's callbacks receive."""
