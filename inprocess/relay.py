@@ -288,13 +288,21 @@ class NodeRelay:
         if len(data) > _MAX_DATAGRAM:
             data = _SEP.join(("fetch", name, "")).encode()
         for arrival in arrivals:
-            try:
-                self.out.sendto(data, arrival.reply)
-            except OSError as ex:
-                # gone, or not reading (a full queue): it reads the store itself after
-                # its chunk
-                if ex.errno not in (errno.ECONNREFUSED, errno.ENOENT, errno.EAGAIN):
-                    log.debug("cannot answer %s: %s", arrival.identity, ex)
+            # A decision a rank misses it reads from the store after its wait chunk;
+            # a task (check, count the dead, arrive on your own) it must get: a full
+            # queue is waited out a while.
+            tries = 1 if kind == "decision" else 200
+            for _ in range(tries):
+                try:
+                    self.out.sendto(data, arrival.reply)
+                    break
+                except BlockingIOError:
+                    time.sleep(0.005)
+                except OSError as ex:
+                    # gone (its rank's process exited)
+                    if ex.errno not in (errno.ECONNREFUSED, errno.ENOENT):
+                        log.debug("cannot answer %s: %s", arrival.identity, ex)
+                    break
 
     # ------------------------------------------------------------------ arrivals
 
@@ -321,7 +329,10 @@ class NodeRelay:
                 log.debug("relay: cannot receive: %s", ex)
                 time.sleep(self.pause)
             if message is not None:
-                self._take(message)  # taken first: a store down gives it back (_give_up)
+                try:
+                    self._take(message)  # taken first: a store down gives it back (_give_up)
+                except Exception as ex:  # (the arrival then ends in the barrier's timeout)
+                    log.warning("relay: cannot take an arrival: %s", ex)
             try:
                 if store is None:
                     store = self.connect()

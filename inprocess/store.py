@@ -95,10 +95,6 @@ COUNTED_WAIT = 1.0
 #: :mod:`inprocess.progress_watchdog`): one chunk must never come near it.
 WAIT_CHUNK = 2.0
 WAIT_CHUNK_MAX = 30.0
-#: wait chunks in a row with no answer from the node's relay (at 2 s, then 4 s) after
-#: which a rank arrives on its own: a relay alive but stuck costs a few seconds, not the
-#: barrier's timeout (arriving twice is harmless; see StoreMixin._relayed)
-RELAY_PATIENCE = 2
 
 
 class WakeWait:
@@ -751,7 +747,6 @@ class StoreMixin:
             return None
         counted: set[str] = set()
         chunk = min(WAIT_CHUNK, getattr(self, "wait_chunk_max", WAIT_CHUNK_MAX))
-        silent = 0  # wait chunks with no answer from the relay
         while True:
             answer = relay.receive(name, min(chunk, max(deadline - time.monotonic(), 0.0)))
             complete = False
@@ -768,18 +763,19 @@ class StoreMixin:
                         f"rendezvous {name!r} timed out "
                         f"({self.counter(P.count_key(name))}/{len(members)} arrived)"
                     )
-                silent += 1
-                if not relay.relay_alive() or silent >= RELAY_PATIENCE:
+                # Only a relay that died sends its ranks off: each of them then
+                # counts again (it cannot tell whether the relay counted it), and
+                # past the number of members every count is followed by a full
+                # read of the arrivals. A few ranks of a node may pay that; all
+                # ranks of a slow barrier must not (O(N^2) reads).
+                if not relay.relay_alive():
                     log.warning(
-                        "%s: no answer from the node's relay at %r; arriving on its own",
-                        identity,
-                        name,
+                        "%s: the node's relay died; arriving at %r on its own", identity, name
                     )
                     return None
                 chunk = min(chunk * 2, getattr(self, "wait_chunk_max", WAIT_CHUNK_MAX))
                 continue
             kind, text = answer
-            silent = 0
             if kind == "decision":
                 return text
             if kind == "fetch":
