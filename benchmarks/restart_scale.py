@@ -18,6 +18,12 @@ methods of :class:`inprocess.wrap.CallWrapper` that ``_run`` calls, on a real
 * in the same run, at the same N, torch's
   ``torch.distributed.elastic.utils.store.barrier`` twice on each rank's client.
 
+With ``--ranks-per-node K`` (default 8) every K consecutive ranks are a node
+whose arrivals at the two rendezvous go through its relay
+(:mod:`inprocess.relay`, what the node's leader runs), hosted in processes of
+their own as node leaders are; ``--ranks-per-node 1``: every rank arrives on
+its own.
+
 All ranks start a restart at once (released by one key): the time for the
 monitor threads to notice a fault is not part of the protocol's cost.
 ``restart_s`` runs from that release to the last rank's return from the

@@ -16,7 +16,8 @@ over at once. The leader
 * watches the node's ranks through pidfds: a rank that died with its monitor
   process (nobody left to report it) is declared at once;
 * runs the node's one fault watch, and hands each fault count to every member
-  over its socket (the member writes it on its rank's board).
+  over its socket (the member writes it on its rank's board);
+* relays the node's arrivals at a restart's rendezvous (:mod:`inprocess.relay`).
 
 So with no fault the central store sees, per node and ``heartbeat_interval``,
 one beat and about one read, and the fault watch's two operations per chunk.
