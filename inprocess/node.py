@@ -516,7 +516,7 @@ class NodeLeader:
         )
         self.fault_watch.start()
         # the node's restarts' arrivals (inprocess.relay)
-        relay = NodeRelay(self.directory, self.connect, chunk=self.fault_chunk)
+        relay: NodeRelay | None = NodeRelay(self.directory, self.connect)
         try:
             relay.start()
         except OSError as ex:

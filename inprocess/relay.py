@@ -30,6 +30,7 @@ sockets comes from the job's own processes.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import errno
 import logging
 import os
@@ -42,6 +43,7 @@ from typing import Any
 
 from . import protocol as P
 from .failover.processes import process_start_time
+from .store import WAIT_CHUNK_MAX, WakeWait
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +56,8 @@ _REPLY = ".b"
 BATCH_WINDOW = 0.01
 #: larger answers are not sent: the rank reads the decision from the store
 _MAX_DATAGRAM = 60_000
+#: a wait with no deadline (the relay lives as long as its leader leads)
+_FOREVER = datetime.timedelta(days=365)
 #: separates a message's fields (never in a name, an identity, a value or JSON text)
 _SEP = "\x1f"
 
@@ -204,7 +208,6 @@ class NodeRelay:
         directory: str,
         connect: Callable[[], Any],
         expected: Callable[[], int] | None = None,
-        chunk: float = 2.0,
         pause: float = 0.01,
         append_store: Any | None = None,
     ) -> None:
@@ -212,13 +215,11 @@ class NodeRelay:
         self.append_store = append_store
         self.connect = connect
         self.expected = expected or self._registered
-        self.chunk = chunk
         self.pause = pause
         self.path = os.path.join(directory, RELAY_SOCKET)
         self.owner = _owner()
-        self.sock: socket.socket | None = None
-        self.out = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.out.setblocking(False)
+        self.sock: socket.socket | None = None  # the relay's socket (bound by start)
+        self.out: socket.socket | None = None  # what it answers through
         #: Invariant: a rendezvous is entered in ``waiting`` (under ``cond``) before
         #: its batch's arrivals reach the store, so a decision (which needs them)
         #: is published only after the waiter can see it: its next look finds it.
@@ -239,16 +240,27 @@ class NodeRelay:
         return sum(n.startswith("r.") and not n.endswith(".tmp") for n in names)
 
     def start(self) -> None:
-        """Binds the relay's socket, names this process its owner, starts its threads."""
+        """Binds the relay's socket, names this process its owner, starts its threads.
+
+        Raises:
+            OSError: the group's directory cannot take them (nothing is left open).
+        """
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
-        sock.bind(self.path)
-        self.sock = sock
-        temporary = os.path.join(self.directory, f"{RELAY_OWNER}.{os.getpid()}.tmp")
-        with open(temporary, "w") as f:
-            f.write(self.owner)
-        os.replace(temporary, os.path.join(self.directory, RELAY_OWNER))
+        out = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+            sock.bind(self.path)
+            out.setblocking(False)
+            temporary = os.path.join(self.directory, f"{RELAY_OWNER}.{os.getpid()}.tmp")
+            with open(temporary, "w") as f:
+                f.write(self.owner)
+            os.replace(temporary, os.path.join(self.directory, RELAY_OWNER))
+        except OSError:
+            sock.close()
+            out.close()
+            raise
+        self.sock, self.out = sock, out
         log.info("relaying the arrivals of node group %s", os.path.basename(self.directory))
         for target, name in ((self._receive, "relay-receive"), (self._wait, "relay-wait")):
             thread = threading.Thread(target=target, name=name, daemon=True)
@@ -266,7 +278,7 @@ class NodeRelay:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
         for thread in self.threads if wait else ():
-            thread.join(timeout=self.chunk + 5.0)
+            thread.join(timeout=WAIT_CHUNK_MAX + 5.0)
         if sock is not None:
             sock.close()
         owner = os.path.join(self.directory, RELAY_OWNER)
@@ -281,12 +293,16 @@ class NodeRelay:
             self.waiting.clear()
         for name, rendezvous in left:
             self._tell(rendezvous.handed + rendezvous.pending, "direct", name)
-        self.out.close()
+        if self.out is not None:
+            self.out.close()
 
     def _tell(self, arrivals: list[_Arrival], kind: str, name: str, text: str = "") -> None:
         data = _SEP.join((kind, name, text)).encode()
         if len(data) > _MAX_DATAGRAM:
             data = _SEP.join(("fetch", name, "")).encode()
+        out = self.out
+        if out is None:
+            return
         for arrival in arrivals:
             # A decision a rank misses it reads from the store after its wait chunk;
             # a task (check, count the dead, arrive on your own) it must get: a full
@@ -294,7 +310,7 @@ class NodeRelay:
             tries = 1 if kind == "decision" else 200
             for _ in range(tries):
                 try:
-                    self.out.sendto(data, arrival.reply)
+                    out.sendto(data, arrival.reply)
                     break
                 except BlockingIOError:
                     time.sleep(0.005)
@@ -399,39 +415,47 @@ class NodeRelay:
 
     def _wait(self) -> None:
         """Waits for the node: one wait on the call's next wake-up for every rendezvous
-        handed to the store; hands out the decisions and the deaths to count."""
+        handed to the store (:class:`~inprocess.store.WakeWait`, as a rank waits);
+        hands out the decisions and the deaths to count."""
         store = None
-        idle = False
+        waiter: WakeWait | None = None
         while True:
             with self.cond:
                 while not self.stopped and not self._handed():
+                    waiter = None  # nothing to wait for: the next look reads afresh
                     self.cond.wait()
                 if self.stopped:
                     return
             try:
                 if store is None:
                     store = self.connect()
-                if idle:
-                    time.sleep(self.pause)  # forged wake-ups cannot make the relay spin
-                idle = not self._look(store)
+                if waiter is None:
+                    # Invariant (WakeWait's): the wake-up sequence is read before the
+                    # look at the decisions, and the wait is on the next wake-up.
+                    waiter = WakeWait(store, _FOREVER, self.pause)
+                    deaths = waiter.deaths
+                else:
+                    deaths = waiter.read_deaths()
+                if self._look(store, deaths):
+                    waiter.idle = False
+                with self.cond:
+                    if self.stopped or not self._handed():
+                        continue
+                waiter.wait()  # pauses first after a wake-up that brought nothing
             except Exception as ex:
                 if self.stopped:
                     return
                 log.warning("relay: the store is unavailable (%s); ranks arrive on their own", ex)
-                store = None
+                store, waiter = None, None
                 self._give_up()
                 time.sleep(self.pause)
 
     def _handed(self) -> list[tuple[str, _Rendezvous]]:
         return [(n, r) for n, r in self.waiting.items() if r.handed]
 
-    def _look(self, store: Any) -> bool:
-        """One look at the rendezvous handed to the store, then one wait; whether the
-        look found news or the wait ran out (else: a wake-up with nothing for us)."""
-        # Invariant (as WakeWait's): the wake-up sequence is read before the look
-        # at the decisions; the wait is on the next wake-up, set by the first
-        # decision or death after that read, so none is missed.
-        seq, deaths = store.wake_state()
+    def _look(self, store: Any, deaths: int) -> bool:
+        """One look at the rendezvous handed to the store; whether it found news (a
+        decision handed out, a count of the dead asked for)."""
         news = False
         with self.cond:
             handed = self._handed()
@@ -455,7 +479,4 @@ class NodeRelay:
                 arrival = rendezvous.handed[rendezvous.turn % len(rendezvous.handed)]
                 rendezvous.turn += 1
                 self._tell([arrival], "dead", name, str(deaths))
-        with self.cond:
-            if self.stopped or not self._handed():
-                return True
-        return not store.wait_for(P.wake_key(seq + 1), self.chunk) or news
+        return news

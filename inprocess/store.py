@@ -746,7 +746,8 @@ class StoreMixin:
         if not relay.arrive(name, identity, value, len(members)):
             return None
         counted: set[str] = set()
-        chunk = min(WAIT_CHUNK, getattr(self, "wait_chunk_max", WAIT_CHUNK_MAX))
+        chunk_max = getattr(self, "wait_chunk_max", WAIT_CHUNK_MAX)
+        chunk = min(WAIT_CHUNK, chunk_max)
         while True:
             answer = relay.receive(name, min(chunk, max(deadline - time.monotonic(), 0.0)))
             complete = False
@@ -773,7 +774,7 @@ class StoreMixin:
                         "%s: the node's relay died; arriving at %r on its own", identity, name
                     )
                     return None
-                chunk = min(chunk * 2, getattr(self, "wait_chunk_max", WAIT_CHUNK_MAX))
+                chunk = min(chunk * 2, chunk_max)
                 continue
             kind, text = answer
             if kind == "decision":
