@@ -522,7 +522,10 @@ class NodeLeader:
         except OSError as ex:
             log.warning("node %s: no arrival relay (%s); ranks arrive on their own", self.node, ex)
             relay = None
-        self.relay = relay
+        with self._lock:
+            self.relay = relay
+        if self.stopped:
+            self._stop_relay()
         try:
             self._lead()
         finally:
@@ -530,9 +533,7 @@ class NodeLeader:
 
     def close(self) -> None:
         """Stops the relay; closes the pidfds of the ranks watched."""
-        relay, self.relay = self.relay, None
-        if relay is not None:
-            relay.stop(wait=False)
+        self._stop_relay()
         for watched in self.watched.values():
             watched.close()
         self.watched.clear()
@@ -543,7 +544,16 @@ class NodeLeader:
         with self._lock:
             self.stopped = True
             fd, self.fd = self.fd, None
-            return fd
+        # at once, not when the leading thread next looks: the ranks waiting on
+        # the relay are told to arrive on their own now (this process is leaving)
+        self._stop_relay()
+        return fd
+
+    def _stop_relay(self) -> None:
+        with self._lock:
+            relay, self.relay = self.relay, None
+        if relay is not None:
+            relay.stop(wait=False)
 
     def _lead(self) -> None:
         store = None
