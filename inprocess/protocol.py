@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import functools
 import hashlib
 import json
 import re
@@ -358,9 +359,101 @@ def membership_digest(members: Sequence[str]) -> str:
 
     A check against divergence (a bug, a rank's state gone astray), not against
     forgery (the decision that carries it is sealed): a CRC and the count, cheap
-    enough for every rank at any N.
+    enough for every rank at any N. A :class:`Roster` computes its own once.
     """
+    if isinstance(members, Roster):
+        return members.digest
+    return _digest(members)
+
+
+def _digest(members: Sequence[str]) -> str:
     return f"{zlib.crc32(chr(10).join(members).encode()):08x}{len(members):08x}"
+
+
+class Roster(tuple):
+    """Identities in rank order: a membership as a rank holds it across restarts.
+
+    Immutable, so what depends only on it is computed once, when first asked
+    for: its :attr:`digest` and the members' positions. A restart that changes
+    nobody hands a rank the roster it holds again (no O(N) copy, search or
+    digest per rank and restart).
+    """
+
+    @functools.cached_property
+    def digest(self) -> str:
+        """:func:`membership_digest` of the roster."""
+        return _digest(self)
+
+    @functools.cached_property
+    def _positions(self) -> dict[str, int]:
+        return {identity: k for k, identity in enumerate(self)}
+
+    def __contains__(self, identity: object) -> bool:
+        return identity in self._positions
+
+    def position(self, identity: str, hint: int | None = None) -> int:
+        """``identity``'s rank in the roster (``hint``: where it likely is, checked
+        first); a ValueError when it is not a member."""
+        if hint is not None and 0 <= hint < len(self) and self[hint] == identity:
+            return hint
+        try:
+            return self._positions[identity]
+        except KeyError:
+            raise ValueError(f"{identity!r} is not a member") from None
+
+
+def roster(members: Iterable[str]) -> Roster:
+    """``members`` as a :class:`Roster` (itself when it is one)."""
+    return members if isinstance(members, Roster) else Roster(members)
+
+
+def launch_token(namespace: str) -> str:
+    """The identity token shared by the ranks that start a call together (see
+    :func:`launch_identity`): derived from the call's namespace, so every rank
+    knows every other's identity without reading it."""
+    return hashlib.blake2b(namespace.encode(), digest_size=5).hexdigest()
+
+
+def launch_identity(initial_rank: int, token: str) -> str:
+    """The identity of the rank at ``initial_rank`` of a launch (incarnation 0)."""
+    return f"{initial_rank}/0.{token}"
+
+
+#: how a published initial membership starts (no identity starts with it)
+INITIAL_HEAD = "#"
+
+
+def encode_initial(members: Sequence[str], token: str) -> str:
+    """The initial membership (ordered by initial rank, ranks 0..N-1) as published.
+
+    Its size, and only the members whose identity is not the launch's own for
+    their rank (a worker relaunched before the job started, a rank with an
+    identity of its own): what every rank reads does not grow with N.
+    """
+    others = [m for r, m in enumerate(members) if m != launch_identity(r, token)]
+    return f"{INITIAL_HEAD}{len(members)}{SEP}" + "".join(identity_record(m) for m in others)
+
+
+def decode_initial(text: str, token: str) -> Roster:
+    """The initial membership :func:`encode_initial` published; a ValueError when the
+    text is not one."""
+    head, _, rest = text.partition(SEP)
+    size = int_or_none(head.removeprefix(INITIAL_HEAD)) if head.startswith(INITIAL_HEAD) else None
+    if size is None or size < 1:
+        raise ValueError(f"not an initial membership: {text[:80]!r}")
+    return _initial_roster(size, token, tuple(split_identities(rest)))
+
+
+@functools.lru_cache(maxsize=4)
+def _initial_roster(size: int, token: str, others: tuple[str, ...]) -> Roster:
+    # Cached: the ranks of one process (or a call made again) share one roster.
+    members = [launch_identity(rank, token) for rank in range(size)]
+    for identity in others:
+        rank = int_or_none(identity.partition("/")[0]) if valid_identity(identity) else None
+        if rank is None or not 0 <= rank < size:
+            raise ValueError(f"initial membership of {size}: {identity!r} has no rank in it")
+        members[rank] = identity
+    return Roster(members)
 
 
 class MembershipMismatch(ValueError):
@@ -429,16 +522,16 @@ def decode_membership(text: str, participants: Sequence[str] | None = None) -> M
     if "error" in data:
         return Failed(str(data["error"]))
     if "digest" not in data:
-        return Members(tuple(data["members"]), int(data["baseline"]))
+        return Members(Roster(data["members"]), int(data["baseline"]))
     if participants is None:
         raise ValueError("a membership published as a change needs the participants")
     if "members" in data:
-        members = tuple(data["members"])
+        members = Roster(data["members"])
     elif "removed" in data:
         removed = set(data["removed"])
-        members = tuple(p for p in participants if p not in removed)
+        members = Roster(p for p in participants if p not in removed)
     else:
-        members = tuple(participants)
+        members = roster(participants)
     # One digest per rank in the common case: a result derived from other
     # participants fails the result's check (the base then says why). A whole
     # list (rare: a reordering assignment) is not derived: the base is checked.
@@ -630,11 +723,14 @@ def _iteration_identities(
     return iteration, names
 
 
-def ring_successors(members: Sequence[str], identity: str, count: int) -> list[str]:
-    """The ``count`` members after ``identity`` in ring order (the peers it watches)."""
+def ring_successors(
+    members: Sequence[str], identity: str, count: int, hint: int | None = None
+) -> list[str]:
+    """The ``count`` members after ``identity`` in ring order (the peers it watches);
+    ``hint``: where ``identity`` likely is."""
     if identity not in members or len(members) < 2:
         return []
-    index = list(members).index(identity)
+    index = roster(members).position(identity, hint)
     n = len(members)
     return [members[(index + k) % n] for k in range(1, min(count, n - 1) + 1)]
 

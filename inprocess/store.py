@@ -156,7 +156,8 @@ INCARNATION_ENV = "INPROCESS_WORKER_INCARNATION"
 
 
 def new_identity(initial_rank: int, incarnation: int = 0) -> str:
-    """A process-unique identity: ``"<initial rank>/<incarnation>.<random>"``."""
+    """A process-unique identity: ``"<initial rank>/<incarnation>.<random>"`` (see also
+    :func:`inprocess.protocol.launch_identity`)."""
     return f"{initial_rank}/{incarnation}.{uuid.uuid4().hex[:10]}"
 
 
@@ -658,7 +659,7 @@ class StoreMixin:
         runs between polls. With ``relay``, the arrival and the wait go through
         the node's relay (:mod:`inprocess.relay`) while one runs.
         """
-        members = list(participants)
+        members = P.roster(participants)  # (O(1) per rank for a roster it holds)
         if identity not in members:
             raise StoreError(f"{identity} is not a participant of rendezvous {name!r}")
         if "\n" in value:
@@ -732,7 +733,7 @@ class StoreMixin:
         self,
         name: str,
         identity: str,
-        members: list[str],
+        members: Sequence[str],
         value: str,
         deadline: float,
         decide: Callable[[dict[str, str], set[str], int], str],
@@ -917,14 +918,16 @@ class StoreMixin:
         timeout: datetime.timedelta,
         poll_limit: float,
         on_wait: Callable[[], None] | None = None,
-        arrange: Callable[[list[str]], list[str]] | None = None,
-    ) -> list[str]:
+        arrange: Callable[[list[str]], str] | None = None,
+        expand: Callable[[str], Sequence[str]] = P.split_identities,
+    ) -> Sequence[str]:
         """A barrier of ``count`` ranks whose identities are not known in advance.
 
-        Returns the identities of the arrived ranks in arrival order, or as
-        ``arrange`` orders them: the rank that completes the barrier applies it
-        once, so the others receive the result (O(N) work once, not on every
-        rank). A ``ValueError`` it raises reaches every rank as a
+        Returns the identities of the arrived ranks in arrival order; or, with
+        ``arrange``, what ``expand`` makes of the text ``arrange`` made of them.
+        The rank that completes the barrier arranges once, so the others
+        receive the result (O(N) work once, not on every rank). A
+        ``ValueError`` ``arrange`` raises reaches every rank as a
         :class:`BarrierRefused` with its message.
         """
         done_key = P.done_key(name)
@@ -940,7 +943,7 @@ class StoreMixin:
                 raise BarrierOverflow(f"barrier {name!r}: {len(arrived)} arrivals for {count}")
             if len(arrived) == count:
                 try:
-                    text = P.SEP.join(arrange(arrived) if arrange is not None else arrived)
+                    text = arrange(arrived) if arrange is not None else P.SEP.join(arrived)
                 except ValueError as ex:
                     text = _REFUSED + str(ex).replace("\n", " ")
                 if self.set_once(done_key, text)[0]:
@@ -954,7 +957,10 @@ class StoreMixin:
             ) from ex
         if published.startswith(_REFUSED):
             raise BarrierRefused(f"barrier {name!r}: {published.removeprefix(_REFUSED)}")
-        return P.split_identities(published)
+        try:
+            return expand(published)
+        except ValueError as ex:
+            raise BarrierRefused(f"barrier {name!r}: {ex}") from None
 
     def all_gather_lines(
         self,

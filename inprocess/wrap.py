@@ -386,7 +386,7 @@ class _Iteration:
     """What every rank agreed on at an iteration barrier."""
 
     index: int
-    members: list[str]  # identities, in rank order
+    members: protocol.Roster  # identities, in rank order
     baseline: int  # fault count when the iteration was decided
 
 
@@ -404,6 +404,8 @@ class CallWrapper:
         self._states: dict[int, weakref.ref[State]] = {}
         self.state = State()
         self.identity = new_identity(self.state.initial_rank, incarnation_from_env())
+        #: whether the job had started without this process (set by _start)
+        self._late = False
         self._lock = threading.RLock()
         # Set up by _start (the call's resources, released by its cleanup):
         self.namespace = ""
@@ -626,6 +628,8 @@ class CallWrapper:
         cleanup.callback(release_held_servers)
         cleanup.callback(self._wait_for_exit_if_hosting, raw)
         self.store = PrefixStore(self.namespace, raw)
+        self._late = self.store.read(protocol.done_key(protocol.INITIAL)) is not None
+        self.identity = self._call_identity()
         # A wait for peers blocks in the store, where the hard clock runs on
         # (no bytecode): no single wait comes near the hard timeout.
         self.store.wait_chunk_max = min(WAIT_CHUNK_MAX, c.hard_timeout / 4)
@@ -739,6 +743,18 @@ class CallWrapper:
             _restore_environment("RANK", "WORLD_SIZE", "TORCHELASTIC_USE_AGENT_STORE")
         )
 
+    def _call_identity(self) -> str:
+        """This rank's identity in the call. The ranks that start the call together
+        take identities every rank can derive (so the initial membership is
+        published in O(1), not as N identities read by N ranks); a process that
+        comes late (a relaunched worker) takes one of its own."""
+        incarnation = incarnation_from_env()
+        if self._late or incarnation != 0:
+            return new_identity(self.state.initial_rank, incarnation)
+        return protocol.launch_identity(
+            self.state.initial_rank, protocol.launch_token(self.namespace)
+        )
+
     def _open_store(self, timeout: float) -> StoreMixin:
         """This call's store; never the server of an earlier call that is shutting down.
 
@@ -846,14 +862,16 @@ class CallWrapper:
 
     # ---------------------------------------------------------------- barriers
 
-    def _initial_barrier(self) -> list[str]:
+    def _initial_barrier(self) -> protocol.Roster:
         """All launched ranks meet; returns their identities ordered by initial rank."""
         s = self.state
         size = s.initial_world_size
+        token = protocol.launch_token(self.namespace)
 
-        def by_initial_rank(arrived: list[str]) -> list[str]:
+        def by_initial_rank(arrived: list[str]) -> str:
             # Run once, by the rank that completes the barrier: every other
-            # rank checks only its own place (O(1), not O(N) on each of N ranks).
+            # rank derives the membership from what it publishes (O(1) read
+            # when every rank has its launch identity) and checks its own place.
             members = sorted(arrived, key=initial_rank_of)
             ranks = [initial_rank_of(m) for m in members]
             if ranks != list(range(size)):
@@ -861,7 +879,7 @@ class CallWrapper:
                     f"initial ranks {ranks} are not 0..{size - 1}: "
                     "check RANK and WORLD_SIZE of every process"
                 )
-            return members
+            return protocol.encode_initial(members, token)
 
         try:
             members = self.store.counted_barrier(
@@ -871,6 +889,7 @@ class CallWrapper:
                 _td(self._config.barrier_timeout),
                 self._restart_poll,
                 arrange=by_initial_rank,
+                expand=functools.partial(protocol.decode_initial, token=token),
             )
         except BarrierRefused as ex:
             raise InternalError(str(ex)) from None
@@ -879,13 +898,13 @@ class CallWrapper:
                 f"{self.identity}: not at its initial rank {s.initial_rank} of the "
                 f"initial membership of {len(members)}"
             )
-        return members
+        return protocol.roster(members)
 
     def _iteration_barrier(
         self,
         iteration: int,
         previous: State | None,
-        prev_members: list[str],
+        prev_members: protocol.Roster,
         terminated: set[str],
         joiners: list[str],
     ) -> _Iteration:
@@ -896,16 +915,21 @@ class CallWrapper:
         arrives, everyone recomputes without it (a new attempt).
         """
         w = self._config
+        prev_members = protocol.roster(prev_members)  # (itself, in the Wrapper's loop)
         for attempt in itertools.count():
             name = protocol.barrier_name(iteration, attempt)
             value, assigned = protocol.JOIN, self.state.copy()
             if previous is not None:
                 value, assigned = self._assign_rank(previous, prev_members, terminated, name)
             planned = assigned.copy()
-            # (a copy at C speed in the common case: nobody out)
+            # In the common case (nobody out, nobody joins) the roster it holds:
+            # no O(N) work on any rank but the decider.
             out = terminated.intersection(prev_members) if terminated else ()
-            participants = [m for m in prev_members if m not in out] if out else list(prev_members)
-            participants += joiners
+            participants = prev_members
+            if out or joiners:
+                participants = protocol.Roster(
+                    [m for m in prev_members if m not in out] + list(joiners)
+                )
             published = self.store.rendezvous(
                 name,
                 self.identity,
@@ -927,7 +951,7 @@ class CallWrapper:
                 terminated = terminated | dead
                 joiners = [j for j in joiners if j not in dead]
                 continue
-            members = list(decision.members)
+            members = protocol.roster(decision.members)
             if self.identity not in members:
                 self.store.mark_left(self.identity)
                 raise RankDiscarded(f"rank {self.identity} was discarded by the rank assignment")
@@ -935,9 +959,7 @@ class CallWrapper:
             s.store = self.store
             s.iteration = iteration
             # where it was, in the common case (nobody before it left): no search
-            hint = s.rank if s.rank is not None else -1
-            fits = 0 <= hint < len(members) and members[hint] == self.identity
-            s.rank = hint if fits else members.index(self.identity)
+            s.rank = members.position(self.identity, hint=s.rank)
             s.world_size = len(members)
             if w.generation is _gen.Generation.NEWER:
                 # Its rank assignment decided the modes (its filters are steps of it).
@@ -954,7 +976,7 @@ class CallWrapper:
             self._board.write_text(
                 protocol.Peers(
                     iteration,
-                    tuple(protocol.ring_successors(members, self.identity, WATCHED_PEERS)),
+                    tuple(protocol.ring_successors(members, self.identity, WATCHED_PEERS, s.rank)),
                 ).encode()
             )
             log.info(
@@ -969,7 +991,7 @@ class CallWrapper:
         raise AssertionError("unreachable")
 
     def _assign_rank(
-        self, previous: State, prev_members: list[str], terminated: set[str], name: str
+        self, previous: State, prev_members: protocol.Roster, terminated: set[str], name: str
     ) -> tuple[protocol.Arrival, State]:
         """This rank's new state per the user's rank assignment, and its barrier value.
 
@@ -977,7 +999,7 @@ class CallWrapper:
         """
         state = self._track(previous.copy())
         state.store = PrefixStore(f"{name}/assignment", self.store)
-        terminated_ranks = {prev_members.index(t) for t in terminated if t in prev_members}
+        terminated_ranks = {prev_members.position(t) for t in terminated if t in prev_members}
         try:
             state, unhandled = _gen.assign(
                 self._config.rank_assignment, self._config.generation, state, terminated_ranks
@@ -1301,10 +1323,11 @@ class CallWrapper:
     # ---------------------------------------------------------------- joining a running job
 
     def _joining(self) -> bool:
-        """Whether the job already started without this process (it was relaunched)."""
-        return self.store.read(protocol.done_key(protocol.INITIAL)) is not None
+        """Whether the job already started without this process (it was relaunched):
+        read once, when the call started (see :meth:`_call_identity`)."""
+        return self._late
 
-    def _join(self) -> tuple[list[str], set[str], list[str], int] | None:
+    def _join(self) -> tuple[protocol.Roster, set[str], list[str], int] | None:
         """Asks to join and waits for the termination barrier that admits this rank."""
         store = self.store
         store.request_join(self.identity)
@@ -1329,7 +1352,7 @@ class CallWrapper:
                     if members is None or members[0] != iteration:
                         raise InternalError(f"no membership published for iteration {iteration}")
                     return (
-                        members[1],
+                        protocol.Roster(members[1]),
                         set(decision.terminated),
                         list(decision.joiners),
                         iteration + 1,

@@ -133,6 +133,48 @@ def test_a_membership_digest_mismatch_is_caught():
         P.decode_membership(text)
 
 
+def test_a_restart_that_changes_nobody_hands_a_rank_the_roster_it_holds():
+    """Issue 24: no O(N) copy, search or digest per rank when the membership stands
+    (the digest and positions of a roster are computed once)."""
+    held = P.Roster(PARTICIPANTS)
+    text = P.encode(P.Members(tuple(PARTICIPANTS), 2), held)
+    decision = P.decode_membership(text, held)
+    assert decision.members is held and decision.baseline == 2
+    assert held.digest == P.membership_digest(list(PARTICIPANTS))
+    assert "5/1.joiner" in held and "5/9.nobody" not in held
+    assert held.position("7/0.r7") == 7 == held.position("7/0.r7", hint=7)
+    assert held.position("7/0.r7", hint=3) == 7  # a wrong hint: looked up
+    with pytest.raises(ValueError, match="not a member"):
+        held.position("5/9.nobody")
+    # a change gives a roster of its own, checked as before
+    kept = P.decode_membership(P.encode(P.Members(tuple(PARTICIPANTS[1:]), 0), held), held)
+    assert isinstance(kept.members, P.Roster) and kept.members == tuple(PARTICIPANTS[1:])
+
+
+def test_the_initial_membership_is_published_in_a_size_that_does_not_grow_with_n():
+    """Issue 24: ranks that started together have identities every rank derives; only
+    the others (a worker relaunched before the job started) are listed."""
+    token = P.launch_token("ip/abc/0")
+    assert token == P.launch_token("ip/abc/0") != P.launch_token("ip/abc/1")
+    members = [P.launch_identity(r, token) for r in range(20000)]
+    assert all(map(P.valid_identity, members[:3]))
+    text = P.encode_initial(members, token)
+    assert text == "#20000,"
+    derived = P.decode_initial(text, token)
+    assert derived == tuple(members) and isinstance(derived, P.Roster)
+    # the ranks of one process share the roster (one per process, not per rank)
+    assert P.decode_initial(text, token) is derived
+    members[7] = "7/1.relaunched"
+    text = P.encode_initial(members, token)
+    assert text == "#20000,7/1.relaunched,"
+    assert P.decode_initial(text, token) == tuple(members)
+    # another launch's token derives other identities: the digests then differ
+    assert P.decode_initial("#3,", P.launch_token("other"))[0] != P.launch_identity(0, token)
+    for bad in ("", "3,", "#x,", "#0,", "#3,9/0.beyond,", "#3,garbage,"):
+        with pytest.raises(ValueError):
+            P.decode_initial(bad, token)
+
+
 def test_ring_successors_and_the_peers_record():
     members = ["0/0.a", "1/0.b", "2/0.c"]
     assert P.ring_successors(members, "2/0.c", 2) == ["0/0.a", "1/0.b"]

@@ -71,6 +71,8 @@ class Ranks:
         self.server = TCPStore(host_name="127.0.0.1", port=0, is_master=True, timeout=TD)
         self.wrappers: list[CallWrapper] = [None] * n  # type: ignore[list-item]
         self.current: list[Any] = [None] * n
+        #: bytes each rank read in the initial barrier
+        self.setup_reads: list[int] = [0] * n
         self.relays: list[NodeRelay] = []
         self.relay_process: subprocess.Popen | None = None
         self.root = tempfile.mkdtemp(prefix="relays")
@@ -98,7 +100,10 @@ class Ranks:
             raw = TCPStore(host_name="127.0.0.1", port=self.server.port, is_master=False)
             cw = CallWrapper(wrapper)
             cw.state = State(rank=rank, world_size=n)
-            cw.identity = new_identity(rank)
+            cw.namespace = NS
+            # launch identities (every rank derives them), but for the last rank: one
+            # of its own, as a worker relaunched before the job started has
+            cw.identity = new_identity(rank, 1) if rank == n - 1 else cw._call_identity()
             cw._records = records.Recorder(None, cw.identity, "", 0)
             cw._board = ProgressBoard()  # where it hands its peers to its monitor process
             cw.store = CountingStore(NS, raw)
@@ -106,6 +111,7 @@ class Ranks:
                 cw._relay = RelayClient(self.groups[rank // per_node], cw.identity)
             self.wrappers[rank] = cw
             members = cw._initial_barrier()
+            self.setup_reads[rank] = cw.store.read_bytes
             self.current[rank] = cw._iteration_barrier(0, cw._copy_state(), members, set(), [])
 
         errors = self.each(setup)
@@ -210,10 +216,18 @@ def _read_per_rank(group: Ranks) -> float:
 def test_what_a_rank_reads_per_restart_does_not_grow_with_n(ranks):
     """At 40 and at 240 ranks the median rank reads the same number of bytes in a restart
     (before the protocol sent changes it grew with N: the whole membership)."""
-    small = _read_per_rank(ranks(40))
-    large = _read_per_rank(ranks(240))
+    small_group, large_group = ranks(40), ranks(240)
+    small = _read_per_rank(small_group)
+    large = _read_per_rank(large_group)
     assert large < 1.2 * small, (small, large)
     assert large < 4000, large
+    # nor in the initial barrier: the ranks derive each other's identities (only the
+    # one rank with an identity of its own is listed), and all hold one roster
+    setup = [sorted(g.setup_reads)[g.n // 2] for g in (small_group, large_group)]
+    assert setup[1] < 1.2 * setup[0] and setup[1] < 2000, setup
+    rosters = {id(c.members) for c in large_group.current}
+    assert len(rosters) == 1, "every rank holds the same roster object"
+    assert large_group.current[0].members[-1] == large_group.wrappers[-1].identity
 
 
 @pytest.mark.timeout(300)
