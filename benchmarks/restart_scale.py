@@ -32,10 +32,14 @@ return from the second barrier. ``server_bytes`` is the growth of ``rchar +
 wchar`` in ``/proc/<server pid>/io`` (bytes the server read from and wrote to
 its sockets) over one restart, and ``server_ops`` the growth of ``syscr`` (read
 system calls: one per request of a client that waits for each answer, as every
-client here does); both less the harness's own release/finish keys, measured
-by an empty round. ``--steady SECONDS`` also runs a few real ``Wrapper`` ranks
-(processes with monitor thread and monitor process) in a function that only
-sleeps, and counts the server's operations per rank per second with no fault
+client here does); ``server_cpu_s`` the CPU time of the server's threads
+(``/proc/<pid>/task/*/schedstat``): the one part of a restart that does not
+run in parallel across a real job's hosts. All three are less the harness's
+own release/finish keys, measured by an empty round.
+
+``--steady SECONDS`` also runs a few real ``Wrapper`` ranks (processes with
+monitor thread and monitor process) in a function that only sleeps, and
+counts the server's operations per rank per second with no fault
 (``--steady-spares K``: K of them are spares, which wait in the completion
 barrier meanwhile; ``--steady-nodes K``: the ranks run as K simulated nodes,
 ``INPROCESS_NODE`` set per rank, each node with its own node group).
@@ -65,6 +69,11 @@ os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
 
 #: the initial rank whose function raises
 FAULTY = 1
+#: the Python switch interval of the processes that host simulated ranks and relays.
+#: Hundreds of threads share one interpreter there (a real rank has its own): at
+#: the default 5 ms every thread waiting for the GIL wakes each 5 ms to ask for
+#: it, a cost that grows with the threads per process, not with the protocol.
+SWITCH_INTERVAL = 0.05
 HOST = "127.0.0.1"
 
 
@@ -86,11 +95,16 @@ def serve(queue: Any, stop: Any) -> None:
     del store
 
 
-def server_io(pid: int) -> tuple[int, int]:
-    """(bytes read + written, read system calls) of the server so far."""
+def server_io(pid: int) -> tuple[int, int, int]:
+    """(bytes read + written, read system calls, CPU nanoseconds of all its threads)
+    of the server so far."""
     with open(f"/proc/{pid}/io") as f:
         fields = dict(line.split(": ") for line in f.read().splitlines())
-    return int(fields["rchar"]) + int(fields["wchar"]), int(fields["syscr"])
+    cpu = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/schedstat") as f:
+            cpu += int(f.read().split()[0])
+    return int(fields["rchar"]) + int(fields["wchar"]), int(fields["syscr"]), cpu
 
 
 # ----------------------------------------------------------------------------- ranks
@@ -118,7 +132,14 @@ def node_group(port: int, node: int) -> str:
 
 
 def relay_host(
-    port: int, nodes: list[int], per_node: int, n: int, timeout: float, ready: Any, stop: Any
+    port: int,
+    nodes: list[int],
+    per_node: int,
+    n: int,
+    timeout: float,
+    switch_interval: float,
+    ready: Any,
+    stop: Any,
 ) -> None:
     """A process hosting the relays of simulated ``nodes``, as their leaders run them
     (inprocess.relay): in a process of its own, as a node leader's monitor process
@@ -131,6 +152,7 @@ def relay_host(
 
     logging.basicConfig(level=logging.ERROR)
     logging.getLogger("inprocess").setLevel(logging.ERROR)
+    sys.setswitchinterval(switch_interval)
 
     def connect() -> Any:
         raw = TCPStore(host_name=HOST, port=port, is_master=False, timeout=_td(timeout))
@@ -173,7 +195,7 @@ def rank_main(
     from inprocess.progress_watchdog import ProgressBoard
     from inprocess.relay import RelayClient
     from inprocess.state import State
-    from inprocess.store import PrefixStore, TCPStore, new_identity
+    from inprocess.store import PrefixStore, TCPStore
     from inprocess.wrap import CallWrapper, _Result
 
     try:
@@ -183,12 +205,13 @@ def rank_main(
         wrapper = Wrapper(abort=None, barrier_timeout=_td(timeout))
         cw = CallWrapper(wrapper)
         cw.state = State(rank=rank, world_size=n)
-        cw.identity = new_identity(rank)
+        cw.namespace = call_namespace()
+        cw.identity = cw._call_identity()  # a launch identity, as a started job's ranks have
         cw._records = records.Recorder(None, cw.identity, "", 0)
         # where the rank hands its monitor process the peers to watch (local memory;
         # before, a store record its monitor process read)
         cw._board = ProgressBoard()
-        cw.store = PrefixStore(call_namespace(), raw)
+        cw.store = PrefixStore(cw.namespace, raw)
         if per_node > 1:
             cw._relay = RelayClient(node_group(port, rank // per_node), cw.identity)
         members = cw._initial_barrier()
@@ -230,6 +253,8 @@ def rank_main(
         del cw
     except BaseException as ex:  # reported by the main process
         errors.append(f"rank {rank}: {type(ex).__name__}: {ex}")
+        if len(errors) == 1:  # at once: a run that fails may otherwise wait to its timeout
+            print(f"first error in this process: {errors[0]}", file=sys.stderr, flush=True)
 
 
 def worker(
@@ -239,11 +264,13 @@ def worker(
     rounds: int,
     timeout: float,
     per_node: int,
+    switch_interval: float,
     out: Any,
 ) -> None:
     logging.basicConfig(level=logging.ERROR)
     logging.getLogger("inprocess").setLevel(logging.ERROR)
     threading.stack_size(512 * 1024)
+    sys.setswitchinterval(switch_interval)
     ends: dict[str, float] = {}
     errors: list[str] = []
     threads = [
@@ -264,7 +291,14 @@ def worker(
 # ----------------------------------------------------------------------------- one N
 
 
-def run(n: int, procs: int, rounds: int, timeout: float, per_node: int = 1) -> dict[str, Any]:
+def run(
+    n: int,
+    procs: int,
+    rounds: int,
+    timeout: float,
+    per_node: int = 1,
+    switch_interval: float = SWITCH_INTERVAL,
+) -> dict[str, Any]:
     from inprocess.store import TCPStore
 
     ctx = multiprocessing.get_context("spawn")
@@ -276,7 +310,16 @@ def run(n: int, procs: int, rounds: int, timeout: float, per_node: int = 1) -> d
     workers = [
         ctx.Process(
             target=worker,
-            args=(port, list(range(p, n, procs)), n, rounds, timeout, per_node, out),
+            args=(
+                port,
+                list(range(p, n, procs)),
+                n,
+                rounds,
+                timeout,
+                per_node,
+                switch_interval,
+                out,
+            ),
             daemon=True,
         )
         for p in range(procs)
@@ -287,7 +330,16 @@ def run(n: int, procs: int, rounds: int, timeout: float, per_node: int = 1) -> d
     hosts = [
         ctx.Process(
             target=relay_host,
-            args=(port, list(range(h, nodes, procs)), per_node, n, timeout, ready, relays_stop),
+            args=(
+                port,
+                list(range(h, nodes, procs)),
+                per_node,
+                n,
+                timeout,
+                switch_interval,
+                ready,
+                relays_stop,
+            ),
             daemon=True,
         )
         for h in range(min(procs, nodes))
@@ -297,13 +349,15 @@ def run(n: int, procs: int, rounds: int, timeout: float, per_node: int = 1) -> d
     for _ in hosts:
         ready.get(timeout=120)
     result: dict[str, Any] = {"ranks": n, "ranks_per_node": per_node, "procs": procs}
+    result["switch_interval"] = switch_interval
     result["rounds"] = rounds
     control = TCPStore(host_name=HOST, port=port, is_master=False, timeout=_td(timeout))
     deadline = time.monotonic() + timeout
 
-    def phase(name: str) -> tuple[float, int, int]:
-        """Releases phase ``name``; returns its duration as seen here, bytes and ops."""
-        bytes0, ops0 = server_io(pid)
+    def phase(name: str) -> tuple[float, int, int, int]:
+        """Releases phase ``name``; returns when it started, its server bytes, ops and
+        CPU nanoseconds."""
+        bytes0, ops0, cpu0 = server_io(pid)
         start = time.monotonic()
         control.set(f"bench/{name}/go", "1")
         left = deadline - time.monotonic()
@@ -313,11 +367,11 @@ def run(n: int, procs: int, rounds: int, timeout: float, per_node: int = 1) -> d
             control.wait([f"bench/{name}/done"], _td(left))
         except Exception as ex:
             raise TimeoutError(name) from ex
-        bytes1, ops1 = server_io(pid)
-        return start, bytes1 - bytes0, ops1 - ops0
+        bytes1, ops1, cpu1 = server_io(pid)
+        return start, bytes1 - bytes0, ops1 - ops0, cpu1 - cpu0
 
     samples: dict[str, list[float]] = {"null": [], "restart": [], "torch": []}
-    volume: dict[str, list[tuple[int, int]]] = {"null": [], "restart": [], "torch": []}
+    volume: dict[str, list[tuple[int, int, int]]] = {"null": [], "restart": [], "torch": []}
     starts: dict[str, float] = {}
     try:
         for process in workers:
@@ -336,9 +390,9 @@ def run(n: int, procs: int, rounds: int, timeout: float, per_node: int = 1) -> d
         result["setup_s"] = round(time.monotonic() - start, 3)
         for k in range(rounds):
             for kind in ("null", "restart", "torch"):
-                begun, nbytes, ops = phase(f"{kind}{k}")
+                begun, nbytes, ops, cpu = phase(f"{kind}{k}")
                 starts[f"{kind}{k}"] = begun
-                volume[kind].append((nbytes, ops))
+                volume[kind].append((nbytes, ops, cpu))
                 if kind == "null":
                     samples[kind].append(time.monotonic() - begun)
         stop_workers = True
@@ -374,16 +428,19 @@ def run(n: int, procs: int, rounds: int, timeout: float, per_node: int = 1) -> d
     if errors:
         result["errors"] = len(errors)
         result["first_error"] = errors[0]
-    null_bytes = statistics.median(b for b, _ in volume["null"]) if volume["null"] else 0
-    null_ops = statistics.median(o for _, o in volume["null"]) if volume["null"] else 0
+    null_bytes = statistics.median(v[0] for v in volume["null"]) if volume["null"] else 0
+    null_ops = statistics.median(v[1] for v in volume["null"]) if volume["null"] else 0
+    null_cpu = statistics.median(v[2] for v in volume["null"]) if volume["null"] else 0
     for kind, label in (("restart", "restart"), ("torch", "torch_barrier_x2")):
         if samples[kind]:
             result[f"{label}_s"] = round(statistics.median(samples[kind]), 4)
             result[f"{label}_max_s"] = round(max(samples[kind]), 4)
         if volume[kind]:
-            nbytes = statistics.median(b for b, _ in volume[kind]) - null_bytes
-            ops = statistics.median(o for _, o in volume[kind]) - null_ops
+            nbytes = statistics.median(v[0] for v in volume[kind]) - null_bytes
+            ops = statistics.median(v[1] for v in volume[kind]) - null_ops
+            cpu = statistics.median(v[2] for v in volume[kind]) - null_cpu
             prefix = "" if kind == "restart" else "torch_"
+            result[f"{prefix}server_cpu_s"] = round(cpu / 1e9, 4)
             result[f"{prefix}server_bytes"] = int(nbytes)
             result[f"{prefix}server_ops"] = int(ops)
             result[f"{prefix}bytes_per_rank"] = round(nbytes / n, 1)
@@ -454,9 +511,9 @@ def steady(ranks: int, seconds: float, spares: int = 0, nodes: int = 1) -> dict[
     while int(control.add("steady/ready", 0)) < ranks - spares and time.monotonic() < deadline:
         time.sleep(0.2)
     time.sleep(2.0)  # past the start of every rank's monitor thread and process
-    bytes0, ops0 = server_io(pid)
+    bytes0, ops0, _ = server_io(pid)
     time.sleep(seconds)
-    bytes1, ops1 = server_io(pid)
+    bytes1, ops1, _ = server_io(pid)
     control.set("steady/stop", "1")
     for proc in procs:
         try:
@@ -488,6 +545,12 @@ def main() -> None:
         help="simulated ranks per node, each node with its arrival relay (1: no relay)",
     )
     parser.add_argument("--timeout", type=float, default=300, help="seconds per N, in all")
+    parser.add_argument(
+        "--switch-interval",
+        type=float,
+        default=SWITCH_INTERVAL,
+        help="sys.setswitchinterval of the processes hosting simulated ranks and relays",
+    )
     parser.add_argument("--steady", type=float, default=0, help="seconds of steady state (0: no)")
     parser.add_argument("--steady-ranks", type=int, default=4)
     parser.add_argument(
@@ -504,6 +567,8 @@ def main() -> None:
         parser.error(f"--ranks must be comma-separated integers, got {args.ranks!r}")
     if any(n < 2 for n in sizes):
         parser.error("--ranks: every size must be at least 2")
+    if args.switch_interval <= 0:
+        parser.error(f"--switch-interval must be positive, got {args.switch_interval}")
     if args.ranks_per_node < 1:
         parser.error(f"--ranks-per-node must be at least 1, got {args.ranks_per_node}")
     if not 1 <= args.steady_nodes <= args.steady_ranks:
@@ -524,7 +589,9 @@ def main() -> None:
             print(", ".join(f"{k}={v}" for k, v in output.items()), flush=True)
 
     for n in sizes:
-        show(run(n, args.procs, args.rounds, args.timeout, args.ranks_per_node))
+        show(
+            run(n, args.procs, args.rounds, args.timeout, args.ranks_per_node, args.switch_interval)
+        )
     if args.steady > 0:
         show(steady(args.steady_ranks, args.steady, args.steady_spares, args.steady_nodes))
 
