@@ -35,7 +35,9 @@ system calls: one per request of a client that waits for each answer, as every
 client here does); ``server_cpu_s`` the CPU time of the server's threads
 (``/proc/<pid>/task/*/schedstat``): the one part of a restart that does not
 run in parallel across a real job's hosts. All three are less the harness's
-own release/finish keys, measured by an empty round.
+own release/finish keys, measured by an empty round. ``timeline_s``: when the
+ranks of the first restart proposed the fault outcome, left the termination
+barrier and left the iteration barrier (first, median, last, from the release).
 
 ``--steady SECONDS`` also runs a few real ``Wrapper`` ranks (processes with
 monitor thread and monitor process) in a function that only sleeps, and
@@ -185,6 +187,7 @@ def rank_main(
     timeout: float,
     per_node: int,
     ends: dict[str, float],
+    marks: list[tuple[int, float, float, float]],
     errors: list,
 ) -> None:
     """One simulated rank: the Wrapper's code for the setup and for ``rounds`` restarts."""
@@ -229,18 +232,22 @@ def rank_main(
                 # what its monitor thread does once it sees the fault counter raised
                 cw.store.decide_outcome(current.index, "fault")
                 ex = RankShouldRestart()
+            proposed = time.monotonic()
             cw._classify_fault(_Result(exception=ex), types.SimpleNamespace(cause="fault"))
             previous = cw._copy_state()
             cw._abort()
             cw._finalize(ex)
             cw._health_check(ex)
             terminated, joiners = cw._termination_barrier(current)
+            left_termination = time.monotonic()
             cw._records.publish_phases(cw.store, terminated)
             cw._log_root_cause(ex)
             current = cw._iteration_barrier(
                 current.index + 1, previous, current.members, terminated, joiners
             )
-            ends[f"restart{k}"] = max(ends.get(f"restart{k}", 0.0), time.monotonic())
+            left_iteration = time.monotonic()
+            ends[f"restart{k}"] = max(ends.get(f"restart{k}", 0.0), left_iteration)
+            marks.append((k, proposed, left_termination, left_iteration))
             _finish(raw, f"restart{k}", n)
 
             raw.wait([f"bench/torch{k}/go"], _td(timeout))
@@ -272,11 +279,12 @@ def worker(
     threading.stack_size(512 * 1024)
     sys.setswitchinterval(switch_interval)
     ends: dict[str, float] = {}
+    marks: list[tuple[int, float, float, float]] = []
     errors: list[str] = []
     threads = [
         threading.Thread(
             target=rank_main,
-            args=(port, r, n, rounds, timeout, per_node, ends, errors),
+            args=(port, r, n, rounds, timeout, per_node, ends, marks, errors),
             daemon=True,
         )
         for r in ranks
@@ -285,10 +293,23 @@ def worker(
         thread.start()
     for thread in threads:
         thread.join()
-    out.put((ends, errors))
+    out.put((ends, marks, errors))
 
 
 # ----------------------------------------------------------------------------- one N
+
+
+def timeline(marks: list[tuple[int, float, float, float]], release: float) -> dict[str, list]:
+    """When the ranks of the first restart proposed the fault outcome, left the
+    termination barrier and left the iteration barrier: [first, median, last] in
+    seconds from the restart's release. Shows whether a restart waits for its
+    decisions or for the ranks' own work."""
+    found: dict[str, list] = {}
+    for column, name in enumerate(("outcome", "termination", "iteration"), start=1):
+        times = sorted(m[column] - release for m in marks if m[0] == 0)
+        if times:
+            found[name] = [round(times[k], 3) for k in (0, len(times) // 2, -1)]
+    return found
 
 
 def run(
@@ -400,11 +421,13 @@ def run(
         result["incomplete"] = f"timed out in phase {ex} after {timeout:.0f} s"
         stop_workers = False
     ends: dict[str, float] = {}
+    marks: list[tuple[int, float, float, float]] = []
     errors: list[str] = []
     if stop_workers:
         for _ in workers:
-            got_ends, got_errors = out.get(timeout=120)
+            got_ends, got_marks, got_errors = out.get(timeout=120)
             errors += got_errors
+            marks += got_marks
             for key, value in got_ends.items():
                 ends[key] = max(ends.get(key, 0.0), value)
     for process in workers:
@@ -445,6 +468,8 @@ def run(
             result[f"{prefix}server_ops"] = int(ops)
             result[f"{prefix}bytes_per_rank"] = round(nbytes / n, 1)
             result[f"{prefix}ops_per_rank"] = round(ops / n, 2)
+    if "restart0" in starts and marks:
+        result["timeline_s"] = timeline(marks, starts["restart0"])
     if samples["null"]:
         result["harness_s"] = round(statistics.median(samples["null"]), 4)
     return result

@@ -323,7 +323,8 @@ def test_a_wait_for_peers_never_blocks_near_the_hard_timeout():
 def test_initial_ranks_that_are_not_0_to_n_fail_every_rank_at_once():
     """The rank that completes the initial barrier checks the initial ranks once for
     all (the others check only their own place): a duplicate reaches every rank as
-    an error naming the ranks, not a wait."""
+    an error naming the ranks, not a wait. With launch identities the two claimants
+    of rank 0 even have the same identity: still refused."""
     server = TCPStore(host_name="127.0.0.1", port=0, is_master=True, timeout=TD)
     port = server.port
     wrapper = Wrapper(abort=None, barrier_timeout=datetime.timedelta(seconds=600))
@@ -332,7 +333,8 @@ def test_initial_ranks_that_are_not_0_to_n_fail_every_rank_at_once():
     def rank_main(index: int, initial_rank: int) -> None:
         cw = CallWrapper(wrapper)
         cw.state = State(rank=initial_rank, world_size=3)
-        cw.identity = new_identity(initial_rank)
+        cw.namespace = NS
+        cw.identity = cw._call_identity()
         cw.store = PrefixStore(NS, TCPStore(host_name="127.0.0.1", port=port))
         try:
             cw._initial_barrier()
