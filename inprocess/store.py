@@ -920,6 +920,7 @@ class StoreMixin:
         on_wait: Callable[[], None] | None = None,
         arrange: Callable[[list[str]], str] | None = None,
         expand: Callable[[str], Sequence[str]] = P.split_identities,
+        claim: str | None = None,
     ) -> Sequence[str]:
         """A barrier of ``count`` ranks whose identities are not known in advance.
 
@@ -928,17 +929,26 @@ class StoreMixin:
         The rank that completes the barrier arranges once, so the others
         receive the result (O(N) work once, not on every rank). A
         ``ValueError`` ``arrange`` raises reaches every rank as a
-        :class:`BarrierRefused` with its message.
+        :class:`BarrierRefused` with its message. With ``claim`` (a token unique
+        to the caller) the arrival is ``<identity>=<claim>``, and ``arrange``
+        receives those: two processes that arrive with one identity (a
+        misconfigured rank) then count twice and can be refused, where their
+        one record would otherwise count once and the barrier wait for a rank
+        that never comes.
         """
         done_key = P.done_key(name)
         if not P.valid_name(identity):
             raise ValueError(
                 f"barrier {name!r}: a participant's name has no separators, got {identity!r}"
             )
-        self.add_entry(P.arrivals_key(name), identity)
+        self.add_entry(P.arrivals_key(name), identity if claim is None else f"{identity}={claim}")
         # The counter says when to read; the authentic arrivals decide.
         if int(self.add(P.count_key(name), 1)) >= count:
-            arrived = [i for i in self.entries(P.arrivals_key(name)) if P.valid_name(i)]
+            arrived = [
+                entry
+                for entry in self.entries(P.arrivals_key(name))
+                if P.valid_name(entry.partition("=")[0] if claim is not None else entry)
+            ]
             if len(arrived) > count:
                 raise BarrierOverflow(f"barrier {name!r}: {len(arrived)} arrivals for {count}")
             if len(arrived) == count:

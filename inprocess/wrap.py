@@ -38,6 +38,7 @@ import threading
 import time
 import types
 import typing
+import uuid
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -872,7 +873,9 @@ class CallWrapper:
             # Run once, by the rank that completes the barrier: every other
             # rank derives the membership from what it publishes (O(1) read
             # when every rank has its launch identity) and checks its own place.
-            members = sorted(arrived, key=initial_rank_of)
+            # (Arrivals are "<identity>=<claim>": two processes with one
+            # identity arrive twice, and are refused here.)
+            members = sorted((a.partition("=")[0] for a in arrived), key=initial_rank_of)
             ranks = [initial_rank_of(m) for m in members]
             if ranks != list(range(size)):
                 raise ValueError(
@@ -890,6 +893,7 @@ class CallWrapper:
                 self._restart_poll,
                 arrange=by_initial_rank,
                 expand=functools.partial(protocol.decode_initial, token=token),
+                claim=uuid.uuid4().hex[:12],
             )
         except BarrierRefused as ex:
             raise InternalError(str(ex)) from None
