@@ -9,8 +9,9 @@ methods of :class:`inprocess.wrap.CallWrapper` that ``_run`` calls, on a real
 
 * once, not measured: ``_initial_barrier`` then ``_iteration_barrier(0)``;
 * per restart: one rank's function raised (``_classify_fault`` records the fault
-  and decides the outcome), every other rank was interrupted (its monitor thread
-  proposes the fault outcome, its ``_classify_fault`` sees ``RankShouldRestart``),
+  and decides the outcome), every other rank was interrupted in its function (its
+  monitor thread needs no proposal of the outcome there; its ``_classify_fault``
+  sees ``RankShouldRestart``),
   then ``_abort``, ``_finalize``, ``_health_check`` (no callbacks: no work),
   ``_termination_barrier``, ``publish_phases``, ``_iteration_barrier(k + 1)``
   (the rank hands its monitor process the new peers through shared memory:
@@ -36,7 +37,7 @@ client here does); ``server_cpu_s`` the CPU time of the server's threads
 (``/proc/<pid>/task/*/schedstat``): the one part of a restart that does not
 run in parallel across a real job's hosts. All three are less the harness's
 own release/finish keys, measured by an empty round. ``timeline_s``: when the
-ranks of the first restart proposed the fault outcome, left the termination
+ranks of the first restart had classified the fault, left the termination
 barrier and left the iteration barrier (first, median, last, from the release).
 
 ``--steady SECONDS`` also runs a few real ``Wrapper`` ranks (processes with
@@ -226,14 +227,12 @@ def rank_main(
             _finish(raw, f"null{k}", n)
 
             raw.wait([f"bench/restart{k}/go"], _td(timeout))
-            if rank == FAULTY:
-                ex: BaseException = RuntimeError("injected fault")
-            else:
-                # what its monitor thread does once it sees the fault counter raised
-                cw.store.decide_outcome(current.index, "fault")
-                ex = RankShouldRestart()
-            proposed = time.monotonic()
+            # The faulty rank's own exception; the others' monitor threads raise the
+            # restart exception in their function (where no proposal of the
+            # outcome is needed: the iteration cannot complete without them).
+            ex = RuntimeError("injected fault") if rank == FAULTY else RankShouldRestart()
             cw._classify_fault(_Result(exception=ex), types.SimpleNamespace(cause="fault"))
+            classified = time.monotonic()
             previous = cw._copy_state()
             cw._abort()
             cw._finalize(ex)
@@ -247,7 +246,7 @@ def rank_main(
             )
             left_iteration = time.monotonic()
             ends[f"restart{k}"] = max(ends.get(f"restart{k}", 0.0), left_iteration)
-            marks.append((k, proposed, left_termination, left_iteration))
+            marks.append((k, classified, left_termination, left_iteration))
             _finish(raw, f"restart{k}", n)
 
             raw.wait([f"bench/torch{k}/go"], _td(timeout))
@@ -300,12 +299,12 @@ def worker(
 
 
 def timeline(marks: list[tuple[int, float, float, float]], release: float) -> dict[str, list]:
-    """When the ranks of the first restart proposed the fault outcome, left the
+    """When the ranks of the first restart had classified the fault, left the
     termination barrier and left the iteration barrier: [first, median, last] in
     seconds from the restart's release. Shows whether a restart waits for its
     decisions or for the ranks' own work."""
     found: dict[str, list] = {}
-    for column, name in enumerate(("outcome", "termination", "iteration"), start=1):
+    for column, name in enumerate(("classified", "termination", "iteration"), start=1):
         times = sorted(m[column] - release for m in marks if m[0] == 0)
         if times:
             found[name] = [round(times[k], 3) for k in (0, len(times) // 2, -1)]

@@ -304,6 +304,11 @@ class Armed:
         #: set by the main thread, without any eval-breaker checkpoint before it,
         #: as soon as it has caught the exception that ends the iteration
         self.acked = False
+        #: whether the rank has not yet begun its arrival at the completion
+        #: barrier (cleared under the lock, :meth:`MonitorThread.leave_function`):
+        #: until then the iteration cannot complete (completion needs every
+        #: member's arrival), so a fault needs no proposal of the outcome
+        self.in_function = True
         self.cause: str | None = None
 
 
@@ -390,6 +395,13 @@ class MonitorThread(threading.Thread):
             self._armed = armed
         self._wake.ring()
 
+    def leave_function(self, armed: Armed) -> None:
+        """The rank is about to arrive at the completion barrier: from now on a fault
+        interrupts it only once the outcome "fault" stands (the iteration may
+        complete first). Call it inside the ``try`` that catches the exception."""
+        with self.lock:
+            armed.in_function = False
+
     def disarm(self) -> Armed | None:
         """Leaves the interruptible region; returns the iteration that was armed.
 
@@ -443,19 +455,33 @@ class MonitorThread(threading.Thread):
                 cause = f"store error: {ex}"
             if cause is None:
                 continue
-            try:
-                outcome = self.store.decide_outcome(armed.iteration, "fault")
-            except Exception as ex:
-                log.error("monitor thread cannot write the store: %s", ex)
-                outcome = "fault"
-            if outcome != "fault":
+            # While the rank is in its function the iteration cannot complete,
+            # so no proposal of the outcome is needed (one store operation per
+            # rank and fault fewer): the faulting rank proposes its own, and
+            # ranks already at the completion barrier propose theirs.
+            proposed = not armed.in_function
+            if proposed and not self._fault_stands(armed):
                 continue  # the iteration completed first; nothing to interrupt
             if self._stop_event.wait(self.last_call_wait):
                 return
-            self._interrupt(armed, cause)
+            if not self._interrupt(armed, cause, proposed):
+                # it reached the completion barrier meanwhile: the outcome first
+                if not self._fault_stands(armed):
+                    continue
+                self._interrupt(armed, cause, True)
             # Its re-send loop took the rings meant for this loop (the next
             # iteration armed, a fault after it): look again at once.
             look_now = True
+
+    def _fault_stands(self, armed: Armed) -> bool:
+        """Proposes "fault" for the armed iteration; whether it stands (``False``: the
+        iteration completed first)."""
+        try:
+            outcome = self.store.decide_outcome(armed.iteration, "fault")
+        except Exception as ex:
+            log.error("monitor thread cannot write the store: %s", ex)
+            outcome = "fault"
+        return outcome == "fault"
 
     def _check(self, armed: Armed) -> str | None:
         stalled = self.stalled_for()
@@ -478,10 +504,20 @@ class MonitorThread(threading.Thread):
             return "fault reported"
         return None
 
-    def _interrupt(self, armed: Armed, cause: str) -> None:
+    def _interrupt(self, armed: Armed, cause: str, proposed: bool) -> bool:
+        """Starts the restart; ``False`` (nothing sent) when the outcome was not
+        proposed and the rank has reached the completion barrier since.
+
+        Invariant: the check of ``in_function`` and the exception are one step
+        under the lock, which :meth:`leave_function` takes to clear it; an
+        exception sent while it holds lands before the completion arrival (at
+        the entry of the next Python function the main thread calls).
+        """
         with self.lock:
             if self._armed is not armed or armed.acked:
-                return  # the main thread got there first
+                return True  # the main thread got there first
+            if not proposed and not armed.in_function:
+                return False
             log.debug("%s: interrupting iteration %d (%s)", self.identity, armed.iteration, cause)
             armed.interrupted = True
             armed.cause = cause
@@ -516,10 +552,10 @@ class MonitorThread(threading.Thread):
         while True:
             self._wake.wait(next_send - time.monotonic())
             if self._stop_event.is_set():
-                return
+                return True
             with self.lock:
                 if self._armed is not armed or armed.acked:
-                    return
+                    return True
                 if time.monotonic() < next_send:
                     continue
                 resend = min(resend * 2, longest)

@@ -1128,6 +1128,9 @@ class CallWrapper:
                 with self._function_environment(current):
                     outcome.value = fn(*args, **kwargs)
                 self._watchdog.pause_manual()
+            # from here on the iteration may complete: a fault restarts it only
+            # once the outcome "fault" stands (see MonitorThread._interrupt)
+            monitor.leave_function(armed)
             self._board.write_phase("completion_barrier")
             self._completion_barrier(current)
             outcome.completed = True

@@ -199,9 +199,56 @@ def test_monitor_interrupts_on_a_recorded_fault_and_stops_after_disarm():
         armed.acked = True
         monitor.disarm()
         assert aborted, "abort must run"
-        assert store.outcome(0) == "fault"
+        # in its function the iteration cannot complete: no proposal (a store
+        # operation per rank and fault fewer; the faulting rank proposes its own)
+        assert store.outcome(0) == ""
         spin(0.2)  # nothing more may arrive once disarmed
     finally:
+        monitor.shutdown()
+
+
+def test_a_rank_at_the_completion_barrier_is_interrupted_once_the_fault_stands():
+    store = HashStore()
+    monitor, _lock, aborted = make_monitor(store)
+    try:
+        armed = monitor.arm(0, store.fault_count(), state=None)
+        with pytest.raises(RankShouldRestart):
+            monitor.leave_function(armed)
+            store.record_fault("1/x", "boom")
+            spin(5)
+        armed.acked = True
+        monitor.disarm()
+        assert aborted and store.outcome(0) == "fault"
+    finally:
+        monitor.shutdown()
+
+
+@pytest.mark.parametrize("completed", [False, True], ids=["fault-stands", "completed-first"])
+def test_a_rank_that_reaches_the_completion_barrier_while_the_monitor_waits(completed):
+    """The race the outcome settles: the monitor saw the fault while the rank was in its
+    function (no proposal), and the rank reached the completion barrier during the
+    monitor's last-call wait. The monitor then proposes before it interrupts, and
+    leaves a rank alone whose iteration completed first."""
+    store = HashStore()
+    monitor, _lock, aborted = make_monitor(store, last_call_wait=0.5)
+    try:
+        armed = monitor.arm(0, store.fault_count(), state=None)
+        raised = False
+        try:
+            store.record_fault("1/x", "boom")
+            time.sleep(0.2)  # the monitor saw it (in the function) and waits
+            if completed:  # (decided first: a monitor that saw the fault late sees it too)
+                assert store.decide_outcome(0, "completed") == "completed"
+            monitor.leave_function(armed)
+            spin(1.5)
+        except RankShouldRestart:
+            raised = True
+        armed.acked = True
+        assert raised is not completed
+        assert store.outcome(0) == ("completed" if completed else "fault")
+        assert bool(aborted) is not completed
+    finally:
+        monitor.disarm()
         monitor.shutdown()
 
 
@@ -236,7 +283,8 @@ def test_fault_after_completion_is_ignored():
     store = HashStore()
     monitor, _lock, aborted = make_monitor(store)
     try:
-        monitor.arm(0, store.fault_count(), state=None)
+        armed = monitor.arm(0, store.fault_count(), state=None)
+        monitor.leave_function(armed)  # at the completion barrier
         assert store.decide_outcome(0, "completed") == "completed"
         store.record_fault("1/x", "late")
         spin(0.3)  # no exception: the iteration completed first
