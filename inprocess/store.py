@@ -930,11 +930,11 @@ class StoreMixin:
         receive the result (O(N) work once, not on every rank). A
         ``ValueError`` ``arrange`` raises reaches every rank as a
         :class:`BarrierRefused` with its message. With ``claim`` (a token unique
-        to the caller) the arrival is ``<identity>=<claim>``, and ``arrange``
-        receives those: two processes that arrive with one identity (a
-        misconfigured rank) then count twice and can be refused, where their
-        one record would otherwise count once and the barrier wait for a rank
-        that never comes.
+        to the caller) the arrival is recorded as ``<identity>=<claim>``: two
+        processes that arrive with one identity (a misconfigured rank) then
+        count twice, and ``arrange`` sees the identity twice and can refuse,
+        where their one record would count once and the barrier wait for a
+        rank that never comes.
         """
         done_key = P.done_key(name)
         if not P.valid_name(identity):
@@ -944,11 +944,10 @@ class StoreMixin:
         self.add_entry(P.arrivals_key(name), identity if claim is None else f"{identity}={claim}")
         # The counter says when to read; the authentic arrivals decide.
         if int(self.add(P.count_key(name), 1)) >= count:
-            arrived = [
-                entry
-                for entry in self.entries(P.arrivals_key(name))
-                if P.valid_name(entry.partition("=")[0] if claim is not None else entry)
-            ]
+            entries = self.entries(P.arrivals_key(name))
+            if claim is not None:
+                entries = [entry.partition("=")[0] for entry in entries]
+            arrived = [i for i in entries if P.valid_name(i)]
             if len(arrived) > count:
                 raise BarrierOverflow(f"barrier {name!r}: {len(arrived)} arrivals for {count}")
             if len(arrived) == count:

@@ -873,9 +873,8 @@ class CallWrapper:
             # Run once, by the rank that completes the barrier: every other
             # rank derives the membership from what it publishes (O(1) read
             # when every rank has its launch identity) and checks its own place.
-            # (Arrivals are "<identity>=<claim>": two processes with one
-            # identity arrive twice, and are refused here.)
-            members = sorted((a.partition("=")[0] for a in arrived), key=initial_rank_of)
+            # (With claims, two processes with one identity arrive twice: refused.)
+            members = sorted(arrived, key=initial_rank_of)
             ranks = [initial_rank_of(m) for m in members]
             if ranks != list(range(size)):
                 raise ValueError(
