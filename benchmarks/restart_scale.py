@@ -190,8 +190,10 @@ def rank_main(
     ends: dict[str, float],
     marks: list[tuple[int, float, float, float]],
     errors: list,
+    derive: bool = True,
 ) -> None:
-    """One simulated rank: the Wrapper's code for the setup and for ``rounds`` restarts."""
+    """One simulated rank: the Wrapper's code for the setup and for ``rounds`` restarts
+    (``derive=False``: the membership agreed at the iteration barrier)."""
     import torch.distributed.elastic.utils.store as elastic_store
 
     from inprocess import Wrapper, records
@@ -237,12 +239,18 @@ def rank_main(
             cw._abort()
             cw._finalize(ex)
             cw._health_check(ex)
-            terminated, joiners = cw._termination_barrier(current)
+            termination = cw._termination_barrier(current)
             left_termination = time.monotonic()
+            terminated = set(termination.terminated)
             cw._records.publish_phases(cw.store, terminated)
             cw._log_root_cause(ex)
             current = cw._iteration_barrier(
-                current.index + 1, previous, current.members, terminated, joiners
+                current.index + 1,
+                previous,
+                current.members,
+                terminated,
+                list(termination.joiners),
+                termination if derive else None,
             )
             left_iteration = time.monotonic()
             ends[f"restart{k}"] = max(ends.get(f"restart{k}", 0.0), left_iteration)
@@ -272,6 +280,7 @@ def worker(
     per_node: int,
     switch_interval: float,
     out: Any,
+    derive: bool = True,
 ) -> None:
     logging.basicConfig(level=logging.ERROR)
     logging.getLogger("inprocess").setLevel(logging.ERROR)
@@ -283,7 +292,7 @@ def worker(
     threads = [
         threading.Thread(
             target=rank_main,
-            args=(port, r, n, rounds, timeout, per_node, ends, marks, errors),
+            args=(port, r, n, rounds, timeout, per_node, ends, marks, errors, derive),
             daemon=True,
         )
         for r in ranks
@@ -318,6 +327,7 @@ def run(
     timeout: float,
     per_node: int = 1,
     switch_interval: float = SWITCH_INTERVAL,
+    derive: bool = True,
 ) -> dict[str, Any]:
     from inprocess.store import TCPStore
 
@@ -339,6 +349,7 @@ def run(
                 per_node,
                 switch_interval,
                 out,
+                derive,
             ),
             daemon=True,
         )
@@ -370,6 +381,7 @@ def run(
         ready.get(timeout=120)
     result: dict[str, Any] = {"ranks": n, "ranks_per_node": per_node, "procs": procs}
     result["switch_interval"] = switch_interval
+    result["membership"] = "derived" if derive else "barrier"
     result["rounds"] = rounds
     control = TCPStore(host_name=HOST, port=port, is_master=False, timeout=_td(timeout))
     deadline = time.monotonic() + timeout
@@ -575,6 +587,13 @@ def main() -> None:
         default=SWITCH_INTERVAL,
         help="sys.setswitchinterval of the processes hosting simulated ranks and relays",
     )
+    parser.add_argument(
+        "--membership",
+        choices=("derived", "barrier"),
+        default="derived",
+        help="derived: as the default rank assignment restarts (no iteration barrier); "
+        "barrier: agreed at the iteration barrier, as a reordering assignment's",
+    )
     parser.add_argument("--steady", type=float, default=0, help="seconds of steady state (0: no)")
     parser.add_argument("--steady-ranks", type=int, default=4)
     parser.add_argument(
@@ -614,7 +633,15 @@ def main() -> None:
 
     for n in sizes:
         show(
-            run(n, args.procs, args.rounds, args.timeout, args.ranks_per_node, args.switch_interval)
+            run(
+                n,
+                args.procs,
+                args.rounds,
+                args.timeout,
+                args.ranks_per_node,
+                args.switch_interval,
+                args.membership == "derived",
+            )
         )
     if args.steady > 0:
         show(steady(args.steady_ranks, args.steady, args.steady_spares, args.steady_nodes))

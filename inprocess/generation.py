@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .compose import Compose
-from .rank_assignment import RankAssignmentCtx, RankDiscarded
+from .rank_assignment import ActivateAllRanks, RankAssignmentCtx, RankDiscarded, ShiftRanks
 from .state import FrozenState, Mode, State
 
 
@@ -217,6 +217,23 @@ def assign(
     if result.state.mode == Mode.TERMINATED:
         raise RankDiscarded(f"rank {state.rank} was terminated by the rank assignment")
     return result.state, set(result.terminated_ranks)
+
+
+#: assignments whose membership every rank can derive: the survivors in their order
+#: (exactly these classes: a subclass may decide otherwise)
+_ORDER_KEEPING = (ShiftRanks, ActivateAllRanks)
+
+
+def derives_membership(assignment: Callable[..., Any]) -> bool:
+    """Whether ``assignment`` always makes the survivors the next membership, in their
+    order: every rank can then derive it from the termination barrier's decision,
+    and a restart needs no iteration barrier. True of :class:`ShiftRanks` (the
+    default), of :class:`ActivateAllRanks`, and of a ``Compose`` of only these;
+    an assignment that may drop, reorder or exchange (filters, ``FillGaps``,
+    ``Tree``, a user's own) goes through the barrier."""
+    if isinstance(assignment, Compose):
+        return all(derives_membership(step) for step in assignment._fns)
+    return type(assignment) in _ORDER_KEEPING
 
 
 def settle(state: State, assigned: State, joined: bool) -> None:

@@ -343,11 +343,19 @@ class RootCause:
 
 @dataclasses.dataclass(frozen=True)
 class Termination:
-    """The termination barrier's decision: who is out, who joins next, and why it restarted."""
+    """The termination barrier's decision: who is out, who joins next, and why it restarted.
+
+    With ``baseline`` (the fault count the decider read before the arrivals) and
+    ``digest`` (of the members less the terminated, in their order: see
+    :func:`survivors`), a rank whose rank assignment keeps the survivors' order
+    derives the next membership itself, with no iteration barrier.
+    """
 
     terminated: tuple[str, ...]
     joiners: tuple[str, ...]
     cause: RootCause | None = None
+    baseline: int | None = None
+    digest: str | None = None
 
 
 #: characters of the root cause's reason in a termination decision
@@ -405,6 +413,17 @@ class Roster(tuple):
 def roster(members: Iterable[str]) -> Roster:
     """``members`` as a :class:`Roster` (itself when it is one)."""
     return members if isinstance(members, Roster) else Roster(members)
+
+
+def survivors(members: Iterable[str], terminated: Iterable[str]) -> Roster:
+    """``members`` less ``terminated``, in their order (``members`` itself when none of
+    them is terminated: no O(N) work in the common restart)."""
+    members = roster(members)
+    out = [t for t in terminated if t in members]
+    if not out:
+        return members
+    gone = set(out)
+    return Roster(m for m in members if m not in gone)
 
 
 def launch_token(namespace: str) -> str:
@@ -502,6 +521,10 @@ def encode(
             # every rank reads it (to log it): the first line's start; the
             # fault log keeps the whole text for the report
             data["cause"] = {"rank": cause.rank, "reason": cause.reason[:CAUSE_CHARS]}
+        if decision.baseline is not None:
+            data["baseline"] = decision.baseline
+        if decision.digest is not None:
+            data["digest"] = decision.digest
     else:
         raise TypeError(f"not a decision of the protocol: {decision!r}")
     # Compact (every rank reads it in every restart); empty fields are left out.
@@ -554,10 +577,13 @@ def decode_membership(text: str, participants: Sequence[str] | None = None) -> M
 def decode_termination(text: str) -> Termination:
     data = json.loads(text)
     cause = data.get("cause")
+    baseline, digest = data.get("baseline"), data.get("digest")
     return Termination(
         tuple(data.get("terminated", ())),
         tuple(data.get("joiners", ())),
         None if cause is None else RootCause(str(cause["rank"]), str(cause["reason"])),
+        None if baseline is None else int(baseline),
+        None if digest is None else str(digest),
     )
 
 
@@ -645,13 +671,19 @@ def decide_termination(
     join_requests: Sequence[str],
     gone: set[str],
     cause: RootCause | None,
+    baseline: int | None = None,
 ) -> Termination:
     """The termination barrier's decision: the terminated members, and the join
-    requests of processes neither members, terminated nor gone, by initial rank."""
+    requests of processes neither members, terminated nor gone, by initial rank.
+
+    With the fault ``baseline`` the decider read, the decision also carries the
+    digest of the survivors: enough for a rank to derive the next membership
+    itself (see :class:`Termination`)."""
     joiners = sorted(
         (j for j in join_requests if j not in members and j not in gone), key=_joiner_order
     )
-    return Termination(tuple(sorted(terminated)), tuple(joiners), cause)
+    digest = None if baseline is None else survivors(members, terminated).digest
+    return Termination(tuple(sorted(terminated)), tuple(joiners), cause, baseline, digest)
 
 
 def completion_outcome(fault_count: int, baseline: int) -> str:

@@ -585,10 +585,11 @@ class CallWrapper:
                     previous.mode, previous.active_rank = Mode.INITIALIZED, None
 
             records = self._records
+            termination: protocol.Termination | None = None
             while True:
                 with self._phase("rank_assignment"):
                     current = self._iteration_barrier(
-                        iteration, previous, prev_members, terminated, joiners
+                        iteration, previous, prev_members, terminated, joiners, termination
                     )
                 result = self._run_iteration(current, fn, args, kwargs)
                 records.iteration_ended(current, result.completed, self.state)
@@ -605,7 +606,8 @@ class CallWrapper:
                 with self._phase("health_check"):
                     self._health_check(result.exception)
                 with self._phase("termination_barrier"):
-                    terminated, joiners = self._termination_barrier(current)
+                    termination = self._termination_barrier(current)
+                terminated, joiners = set(termination.terminated), list(termination.joiners)
                 records.publish_phases(self.store, terminated)
                 self._log_root_cause(result.exception)
                 prev_members, iteration = current.members, current.index + 1
@@ -910,12 +912,19 @@ class CallWrapper:
         prev_members: protocol.Roster,
         terminated: set[str],
         joiners: list[str],
+        following: protocol.Termination | None = None,
     ) -> _Iteration:
         """Rank assignment, rank filter, then agreement on the new membership.
 
         Survivors compute their new rank with the user's rank assignment and
         meet the joiners at a rendezvous; if a participant dies before it
         arrives, everyone recomputes without it (a new attempt).
+
+        After a termination barrier (``following``, its decision) that admitted
+        nobody, with a rank assignment that keeps the survivors in their order
+        (:func:`~inprocess.generation.derives_membership`: the default), every
+        rank derives the membership itself and checks it against the decision's
+        digest: no rendezvous (see :meth:`_derived_membership`).
         """
         w = self._config
         prev_members = protocol.roster(prev_members)  # (itself, in the Wrapper's loop)
@@ -933,18 +942,22 @@ class CallWrapper:
                 participants = protocol.Roster(
                     [m for m in prev_members if m not in out] + list(joiners)
                 )
-            published = self.store.rendezvous(
-                name,
-                self.identity,
-                participants,
-                value.encode(),
-                _td(self._config.barrier_timeout),
-                functools.partial(_decide_membership, self.store, participants),
-                self._restart_poll,
-                relay=self._relay,
-            )
             try:
-                decision = protocol.decode_membership(published, participants)
+                if attempt == 0 and self._derives(following, previous, joiners):
+                    assert following is not None
+                    decision = self._derived_membership(participants, value, following)
+                else:
+                    published = self.store.rendezvous(
+                        name,
+                        self.identity,
+                        participants,
+                        value.encode(),
+                        _td(self._config.barrier_timeout),
+                        functools.partial(_decide_membership, self.store, participants),
+                        self._restart_poll,
+                        relay=self._relay,
+                    )
+                    decision = protocol.decode_membership(published, participants)
             except protocol.MembershipMismatch as ex:
                 raise InternalError(f"iteration {iteration}: {ex}") from None
             if isinstance(decision, protocol.Failed):
@@ -993,6 +1006,61 @@ class CallWrapper:
             return _Iteration(iteration, members, decision.baseline)
         raise AssertionError("unreachable")
 
+    def _derives(
+        self,
+        following: protocol.Termination | None,
+        previous: State | None,
+        joiners: Sequence[str],
+    ) -> bool:
+        """Whether this restart's membership is derived on every rank (see
+        :meth:`_iteration_barrier`). Every rank answers alike: from the decision
+        they share and the rank assignment every rank of a job is given."""
+        return (
+            following is not None
+            and following.baseline is not None
+            and following.digest is not None
+            and previous is not None
+            and not joiners
+            and _gen.derives_membership(self._config.rank_assignment)
+        )
+
+    def _derived_membership(
+        self,
+        participants: protocol.Roster,
+        value: protocol.Arrival,
+        following: protocol.Termination,
+    ) -> protocol.Members:
+        """The membership that follows ``following``, derived, not agreed at a barrier.
+
+        Why no barrier is needed: the assignment keeps the survivors (the
+        ``participants``: the members less the terminated) in their order, so
+        the decision every rank would wait for is known to each; the decider of
+        the termination barrier read the fault count (``following.baseline``)
+        before every arrival, so a fault after it, including a join request's
+        (appended after its request) and a death after the barrier, faults the
+        new iteration. The digest catches a rank whose view of the members
+        diverged. A rank its assignment drops (it was listed as terminated) is
+        not among the participants and leaves, as at a barrier.
+
+        Raises:
+            MembershipMismatch: this rank derived another membership than the decider.
+        """
+        derived = protocol.membership_digest(participants)
+        if derived != following.digest:
+            raise protocol.MembershipMismatch(
+                f"the membership this rank derived ({len(participants)} members, digest "
+                f"{derived}) is not the termination barrier's (digest {following.digest})"
+            )
+        if self.identity in participants and value != protocol.Arrival(
+            "rank", participants.position(self.identity, hint=value.rank)
+        ):
+            raise InternalError(
+                f"{self.identity}: its rank assignment gave {value}, not its place among the "
+                f"{len(participants)} survivors"
+            )
+        assert following.baseline is not None
+        return protocol.Members(participants, following.baseline)
+
     def _assign_rank(
         self, previous: State, prev_members: protocol.Roster, terminated: set[str], name: str
     ) -> tuple[protocol.Arrival, State]:
@@ -1023,8 +1091,9 @@ class CallWrapper:
             raise InternalError(f"rank assignment left terminated ranks {unhandled} unhandled")
         return protocol.Arrival("rank", state.rank), state
 
-    def _termination_barrier(self, current: _Iteration) -> tuple[set[str], list[str]]:
-        """Every member arrives or is terminated; returns who is out and who joins next."""
+    def _termination_barrier(self, current: _Iteration) -> protocol.Termination:
+        """Every member arrives or is terminated; decides who is out, who joins next
+        and (for a membership derived from it) the fault count it starts from."""
         store = self.store
 
         def decide(arrivals: dict[str, str], terminated: set[str], baseline: int) -> str:
@@ -1032,7 +1101,9 @@ class CallWrapper:
             requests = store.join_requests()
             cause = _root_cause(store, current.baseline)
             return protocol.encode(
-                protocol.decide_termination(terminated, current.members, requests, gone, cause)
+                protocol.decide_termination(
+                    terminated, current.members, requests, gone, cause, baseline
+                )
             )
 
         decision = protocol.decode_termination(
@@ -1048,7 +1119,7 @@ class CallWrapper:
             )
         )
         self._restart_cause = decision.cause
-        return set(decision.terminated), list(decision.joiners)
+        return decision
 
     def _completion_barrier(self, current: _Iteration) -> None:
         """Waits until every member finished; a fault meanwhile raises ``RankShouldRestart``.

@@ -217,6 +217,44 @@ def test_termination_admits_requests_of_new_processes_only():
     assert P.decode_termination(P.encode(plain)) == plain
 
 
+def test_termination_carries_what_a_rank_derives_the_next_membership_from():
+    members = P.Roster(["a", "b", "c", "d"])
+    d = P.decide_termination({"c", "x"}, members, [], set(), None, baseline=7)
+    assert d.baseline == 7 and d.digest == P.membership_digest(["a", "b", "d"])
+    assert P.decode_termination(P.encode(d)) == d
+    # nobody out: the survivors are the roster itself (its digest computed once)
+    assert P.survivors(members, ()) is members
+    assert P.decide_termination(set(), members, [], set(), None, 3).digest == members.digest
+    # without a baseline (not the Wrapper's decider): nothing to derive from
+    assert P.decide_termination(set(), members, [], set(), None).digest is None
+
+
+def test_only_order_keeping_assignments_derive_the_membership():
+    from inprocess import Compose
+    from inprocess.generation import derives_membership
+    from inprocess.rank_assignment import (
+        ActivateAllRanks,
+        FillGaps,
+        FilterCountGroupedByKey,
+        Layer,
+        ShiftRanks,
+        Tree,
+    )
+
+    class MyShift(ShiftRanks):
+        pass
+
+    assert derives_membership(ShiftRanks())
+    assert derives_membership(Compose(ActivateAllRanks(), ShiftRanks()))
+    for assignment in (
+        FillGaps(),
+        Tree([Layer(key_or_fn="job")]),
+        MyShift(),
+        Compose(ShiftRanks(), FilterCountGroupedByKey(lambda s: 0, lambda c: True)),
+    ):
+        assert not derives_membership(assignment), assignment
+
+
 def test_root_cause_skips_faults_derived_from_a_peer():
     entries = [
         {"rank": "1/0.a", "reason": "RuntimeError: Connection closed by peer"},

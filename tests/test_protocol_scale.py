@@ -10,6 +10,7 @@ does, which measures the same at thousands of ranks).
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import shutil
 import subprocess
@@ -26,7 +27,7 @@ from inprocess import Wrapper, records
 from inprocess.exception import InternalError
 from inprocess.monitor_thread import RankShouldRestart
 from inprocess.progress_watchdog import ProgressBoard
-from inprocess.protocol import Peers
+from inprocess.protocol import Peers, Roster, barrier_name
 from inprocess.relay import RELAY_OWNER, NodeRelay, RelayClient
 from inprocess.state import State
 from inprocess.store import PrefixStore, TCPStore, new_identity
@@ -136,19 +137,31 @@ class Ranks:
         assert not any(t.is_alive() for t in threads)
         return errors
 
-    def restart(self, rank: int, faulty: int = 1) -> None:
-        """One restart after ``faulty``'s exception, as ``CallWrapper._run`` does it."""
+    def restart(self, rank: int, faulty: int = 1, derive: bool = True) -> None:
+        """One restart after ``faulty``'s exception, as ``CallWrapper._run`` does it
+        (``derive=False``: the membership agreed at the iteration barrier, as for a
+        rank assignment that may reorder the survivors)."""
         cw, current = self.wrappers[rank], self.current[rank]
         # the others are interrupted in their function: their monitor threads
         # propose no outcome there (the iteration cannot complete without them)
         ex = RuntimeError("injected fault") if rank == faulty else RankShouldRestart()
         cw._classify_fault(_Result(exception=ex), types.SimpleNamespace(cause="fault"))
         previous = cw._copy_state()
-        terminated, joiners = cw._termination_barrier(current)
+        termination = cw._termination_barrier(current)
         self.current[rank] = cw._iteration_barrier(
-            current.index + 1, previous, current.members, terminated, joiners
+            current.index + 1,
+            previous,
+            current.members,
+            set(termination.terminated),
+            list(termination.joiners),
+            termination if derive else None,
         )
         assert Peers.parse(cw._board.read_text()).iteration == current.index + 1
+
+    def barrier_arrivals(self, iteration: int) -> int:
+        """How many arrived at the iteration barrier of ``iteration`` (0: it was derived)."""
+        key = f"{NS}/{barrier_name(iteration, 0)}"
+        return int(self.server.add(key, 0))
 
     def connect(self) -> PrefixStore:
         return PrefixStore(
@@ -200,9 +213,9 @@ def ranks():
     made.clear()
 
 
-def _read_per_rank(group: Ranks) -> float:
+def _read_per_rank(group: Ranks, derive: bool = True) -> float:
     before = [cw.store.read_bytes for cw in group.wrappers]
-    errors = group.each(group.restart)
+    errors = group.each(functools.partial(group.restart, derive=derive))
     assert not errors, errors
     members = {tuple(c.members) for c in group.current}
     assert len(members) == 1 and len(next(iter(members))) == group.n
@@ -215,10 +228,11 @@ def test_what_a_rank_reads_per_restart_does_not_grow_with_n(ranks):
     """At 40 and at 240 ranks the median rank reads the same number of bytes in a restart
     (before the protocol sent changes it grew with N: the whole membership)."""
     small_group, large_group = ranks(40), ranks(240)
-    small = _read_per_rank(small_group)
-    large = _read_per_rank(large_group)
-    assert large < 1.2 * small, (small, large)
-    assert large < 4000, large
+    for derive in (True, False):  # the membership derived, and agreed at the barrier
+        small = _read_per_rank(small_group, derive)
+        large = _read_per_rank(large_group, derive)
+        assert large < 1.2 * small, (derive, small, large)
+        assert large < 4000, (derive, large)
     # nor in the initial barrier: the ranks derive each other's identities (only the
     # one rank with an identity of its own is listed), and all hold one roster
     setup = [sorted(g.setup_reads)[g.n // 2] for g in (small_group, large_group)]
@@ -284,6 +298,32 @@ def test_a_rank_whose_view_of_the_membership_differs_is_caught_by_the_digest(ran
     assert len(errors) == 1, (errors, decided)
     (error,) = errors.values()
     assert isinstance(error, InternalError) and "participants differ" in str(error)
+
+
+@pytest.mark.timeout(120)
+def test_a_derived_membership_is_checked_against_the_termination_decision(ranks):
+    """With the default assignment the ranks derive the next membership from the
+    termination barrier's decision (no iteration barrier: nobody arrives at it). A
+    rank that holds the previous membership in another order derives another one:
+    the decision's digest refuses it."""
+    group = ranks(4)
+    errors = group.each(group.restart)
+    assert not errors, errors
+    assert group.barrier_arrivals(1) == 0, "the membership of iteration 1 was derived"
+    assert {tuple(c.members) for c in group.current} == {tuple(group.current[0].members)}
+    # rank 3 holds the members in another order (its state diverged); it arrives
+    # first, so one of the others decides
+    group.current[3].members = Roster(reversed(group.current[3].members))
+
+    def restart(rank: int) -> None:
+        if rank != 3:
+            time.sleep(1.0)
+        group.restart(rank)
+
+    errors = group.each(restart)
+    assert sorted(errors) == [3], errors
+    assert isinstance(errors[3], InternalError)
+    assert "not the termination barrier's" in str(errors[3])
 
 
 def test_a_wait_for_peers_never_blocks_near_the_hard_timeout():
@@ -363,14 +403,17 @@ def test_a_restart_through_node_relays_reaches_the_store_per_node(ranks):
     batch, and the median rank reads nothing from the store itself (its monitor thread
     proposes no outcome while it is in its function)."""
     group = ranks(240, per_node=8)
-    relayed = sum(r.relayed for r in group.relays)
-    batches = sum(r.batches for r in group.relays)
-    read = _read_per_rank(group)
-    relayed = sum(r.relayed for r in group.relays) - relayed
-    batches = sum(r.batches for r in group.relays) - batches
-    assert relayed == 2 * 240, relayed  # the termination and the iteration barrier
-    assert batches < relayed / 2, (batches, relayed)
-    assert read == 0, read
+    # the membership derived (one rendezvous: the termination barrier's), then
+    # agreed at the iteration barrier (two)
+    for derive, rendezvous in ((True, 1), (False, 2)):
+        relayed = sum(r.relayed for r in group.relays)
+        batches = sum(r.batches for r in group.relays)
+        read = _read_per_rank(group, derive)
+        relayed = sum(r.relayed for r in group.relays) - relayed
+        batches = sum(r.batches for r in group.relays) - batches
+        assert relayed == rendezvous * 240, (derive, relayed)
+        assert batches < relayed / 2, (derive, batches, relayed)
+        assert read == 0, (derive, read)
 
 
 @pytest.mark.timeout(300)
