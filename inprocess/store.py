@@ -688,7 +688,7 @@ class StoreMixin:
         # protocol.wake_state): the first look at the dead costs nothing more,
         # and a later one reads it again only when a wake-up brought no decision.
         waiter = WakeWait(self, timeout, poll_limit)
-        complete = self._arrive(name, identity, value, members)
+        complete = self._arrive(name, identity, value, members)  # what it read: see _complete
         seen_deaths = -1
         counted: set[str] = set()
         woken = False
@@ -714,16 +714,17 @@ class StoreMixin:
             waiter.wait()
             if on_wait is not None:
                 on_wait()
-        return self._publish(name, members, decide)
+        return self._publish(name, members, decide, complete)
 
     def _publish(
         self,
         name: str,
         members: Sequence[str],
         decide: Callable[[dict[str, str], set[str], int], str],
+        reads: _Reads,
     ) -> str:
         """Decides a complete rendezvous, publishes the decision once, wakes the waiters."""
-        decision = self._decide(name, members, decide)
+        decision = self._decide(name, members, decide, reads)
         won, published = self.set_once(P.done_key(name), decision)
         if won:
             self.wake_waiters()
@@ -751,7 +752,7 @@ class StoreMixin:
         chunk = min(WAIT_CHUNK, chunk_max)
         while True:
             answer = relay.receive(name, min(chunk, max(deadline - time.monotonic(), 0.0)))
-            complete = False
+            complete: _Reads | None = None
             if answer is None:
                 # a chunk with no answer: look at the store itself (an answer lost
                 # to a full socket queue, a relay that died)
@@ -792,7 +793,7 @@ class StoreMixin:
                 with contextlib.suppress(ValueError):
                     complete = self._count_the_dead(name, members, counted, int(text))
             if complete:
-                return self._publish(name, members, decide)
+                return self._publish(name, members, decide, complete)
 
     # ------------------------------------------------------------------ wake-ups
 
@@ -836,8 +837,10 @@ class StoreMixin:
                 raise
             return False
 
-    def _arrive(self, name: str, identity: str, value: str, members: Sequence[str]) -> bool:
-        """Arrives; returns whether the rendezvous is complete with this arrival.
+    def _arrive(
+        self, name: str, identity: str, value: str, members: Sequence[str]
+    ) -> _Reads | None:
+        """Arrives; returns what it read when the rendezvous is complete with this arrival.
 
         The arrival is a sealed record (a rank and an observer acting for it
         count once: the first record of an identity stands). It is appended
@@ -848,24 +851,24 @@ class StoreMixin:
         self.add_entry(P.arrivals_key(name), f"{identity}={value}")
         return self._raise_count(name, members)
 
-    def _raise_count(self, name: str, members: Sequence[str]) -> bool:
-        """Raises the rendezvous counter; whether it is complete (checked only at the count
-        of members or above: a member that arrived, then died, counts twice, so a check
-        can come early, and the next raise checks again)."""
+    def _raise_count(self, name: str, members: Sequence[str]) -> _Reads | None:
+        """Raises the rendezvous counter; what it read when that completed it (checked
+        only at the count of members or above: a member that arrived, then died,
+        counts twice, so a check can come early, and the next raise checks again)."""
         count = int(self.add(P.count_key(name), 1))
-        return count >= len(members) and self._complete(name, members)
+        return self._complete(name, members) if count >= len(members) else None
 
     def _count_the_dead(
         self, name: str, members: Sequence[str], counted: set[str], epoch: int
-    ) -> bool:
+    ) -> _Reads | None:
         """Counts each terminated member once at this rendezvous, on its behalf.
 
         Invariant: a dead member raises the counter once, whoever sees it first
         (a once-key per member claims it), so the counter reaches the
-        number of members when every member arrived or died. Returns whether
-        this rank's raise completed the rendezvous.
+        number of members when every member arrived or died. Returns what it
+        read when this rank's raise completed the rendezvous.
         """
-        complete = False
+        complete: _Reads | None = None
         for dead in sorted(self.terminated_since(epoch).intersection(members) - counted):
             counted.add(dead)
             # a sealed once-key, not a counter: a stranger's add must not
@@ -877,38 +880,50 @@ class StoreMixin:
     def _arrivals(self, name: str) -> dict[str, str]:
         return self.by_identity(P.arrivals_key(name))
 
-    def _complete(self, name: str, members: Sequence[str]) -> bool:
-        """Whether every member has arrived or is terminated (authentic records only);
-        called once this rank's arrival is in (the arrivals key exists)."""
+    def _complete(self, name: str, members: Sequence[str]) -> _Reads | None:
+        """What it read when every member has arrived or is terminated (authentic records
+        only), else ``None``; called once this rank's arrival is in (the arrivals key
+        exists). Read in the decision's order (see :meth:`_decide`), so a complete
+        rendezvous is decided from these reads: the arrivals, O(N) for this one
+        rank, are read once, not twice."""
+        entries = self.fault_log()
+        terminated = self.terminated()
         arrived = self.by_identity(P.arrivals_key(name), raw=self.get(P.arrivals_key(name)))
         missing = [m for m in members if m not in arrived]
-        return not missing or self.terminated().issuperset(missing)
+        if missing and not terminated.issuperset(missing):
+            return None
+        return _Reads(entries, terminated.intersection(members), arrived)
 
     def _decide(
         self,
         name: str,
         members: Sequence[str],
         decide: Callable[[dict[str, str], set[str], int], str],
+        reads: _Reads,
     ) -> str:
         # Read order is the protocol's invariant: faults (the log), then
-        # terminated. A member listed as dead whose fault entry was logged after
-        # the log was read would raise the count above this baseline and fault
-        # the iteration decided here for a death it already handles: read both
-        # again until the log read has every listed death of a member. A death
-        # is logged before it is listed, so this ends at the second read unless
-        # more ranks keep dying; it is bounded by COUNTED_WAIT all the same.
+        # terminated, then the arrivals. The baseline is read before the
+        # arrivals: a fault logged after them (a member's death once it
+        # arrived) must fault the iteration decided here. A member listed as
+        # dead whose fault entry was logged after the log was read would raise
+        # the count above this baseline and fault the iteration for a death it
+        # already handles: read all three again until the log read has every
+        # listed death of a member. A death is logged before it is listed, so
+        # this ends at the second read unless more ranks keep dying; it is
+        # bounded by COUNTED_WAIT all the same. The common case (no death
+        # listed after the log was read) decides from the reads that found
+        # the rendezvous complete.
         deadline = time.monotonic() + COUNTED_WAIT
-        while True:
-            entries = self.fault_log()
-            terminated = self.terminated().intersection(members)
-            logged = P.terminations(entries)
-            if terminated.issubset(logged) or time.monotonic() >= deadline:
+        entries, terminated, arrivals = reads.entries, reads.terminated, reads.arrivals
+        while not terminated.issubset(P.terminations(entries)):
+            if time.monotonic() >= deadline:
                 break
             time.sleep(0.001)
-        baseline = len(entries)
-        arrivals = self._arrivals(name)
+            entries = self.fault_log()
+            terminated = self.terminated().intersection(members)
+            arrivals = self._arrivals(name)
         arrivals = {i: arrivals[i] for i in members if i in arrivals}
-        return decide(arrivals, terminated, baseline)
+        return decide(arrivals, terminated, len(entries))
 
     def counted_barrier(
         self,
@@ -1018,6 +1033,16 @@ class StoreMixin:
             waiter.wait()
             if on_wait is not None:
                 on_wait()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Reads:
+    """What the rank that found a rendezvous complete read, in the decision's read
+    order (the fault log, then the terminated members, then the arrivals)."""
+
+    entries: list[dict[str, Any]]
+    terminated: set[str]
+    arrivals: dict[str, str]
 
 
 @dataclasses.dataclass(frozen=True)

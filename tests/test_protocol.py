@@ -364,8 +364,44 @@ def test_a_decision_reads_again_until_the_log_has_the_deaths_it_lists():
         seen.append((terminated, baseline))
         return "decided"
 
-    store._decide("r", ["0/0.a", "1/0.b"], decide)
+    members = ["0/0.a", "1/0.b"]
+    store.add_entry(P.arrivals_key("r"), "0/0.a=")
+    reads = store._complete("r", members)
+    assert reads is not None  # complete without the dead
+    store._decide("r", members, decide, reads)
     assert seen == [({"1/0.b"}, 1)]
+
+
+def test_a_complete_rendezvous_is_decided_from_the_reads_that_found_it_complete():
+    """The rank that finds a rendezvous complete read the fault log, the terminated and
+    the arrivals, in that order: with no death listed after its log read it decides
+    from them (the arrivals, O(N), read once). An incomplete one decides nothing."""
+
+    class Counting(HashStore):
+        arrival_reads = 0
+
+        def get(self, key):
+            if key.endswith(P.arrivals_key("r")):
+                self.arrival_reads += 1
+            return super().get(key)
+
+        def entries(self, key):
+            if key.endswith(P.arrivals_key("r")):
+                self.arrival_reads += 1
+            return super().entries(key)
+
+    store = Counting()
+    members = ["0/0.a", "1/0.b"]
+    store.add_entry(P.arrivals_key("r"), "0/0.a=x")
+    assert store._complete("r", members) is None  # 1/0.b neither arrived nor died
+    store.add_entry(P.arrivals_key("r"), "1/0.b=y")
+    store.record_fault("0/0.a", "boom")
+    store.arrival_reads = 0
+    reads = store._complete("r", members)
+    assert reads is not None
+    decision = store._decide("r", members, lambda a, t, b: f"{sorted(a.items())} {t} {b}", reads)
+    assert decision == "[('0/0.a', 'x'), ('1/0.b', 'y')] set() 1"
+    assert store.arrival_reads == 1
 
 
 def test_a_death_never_logged_delays_a_decision_boundedly(monkeypatch):
@@ -376,8 +412,12 @@ def test_a_death_never_logged_delays_a_decision_boundedly(monkeypatch):
     monkeypatch.setattr(store_module, "COUNTED_WAIT", 0.1)
     store = HashStore()
     store.add_entry(P.TERMINATED, "1/0.b")
+    store.add_entry(P.arrivals_key("r"), "0/0.a=")
+    members = ["0/0.a", "1/0.b"]
     started = time.monotonic()
-    decision = store._decide("r", ["0/0.a", "1/0.b"], lambda a, t, b: f"{sorted(t)} {b}")
+    reads = store._complete("r", members)
+    assert reads is not None
+    decision = store._decide("r", members, lambda a, t, b: f"{sorted(t)} {b}", reads)
     assert decision == "['1/0.b'] 0"
     assert time.monotonic() - started < 5
 
