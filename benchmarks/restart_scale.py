@@ -15,7 +15,11 @@ methods of :class:`inprocess.wrap.CallWrapper` that ``_run`` calls, on a real
   then ``_abort``, ``_finalize``, ``_health_check`` (no callbacks: no work),
   ``_termination_barrier``, ``publish_phases``, ``_iteration_barrier(k + 1)``
   (the rank hands its monitor process the new peers through shared memory:
-  no store operation);
+  no store operation). With the default rank assignment every rank derives
+  the new membership from the termination barrier's decision, as ``_run``
+  does: one rendezvous per restart; ``--membership barrier`` agrees on it at
+  the iteration barrier instead (two), as a rank assignment that may reorder
+  the survivors does;
 * in the same run, at the same N, torch's
   ``torch.distributed.elastic.utils.store.barrier`` twice on each rank's client.
 

@@ -30,7 +30,11 @@ Decisions
     process, so they are unit-tested alone. A membership is published as its
     change to the participants every rank holds, with digests each rank
     checks (:func:`encode`, :func:`decode_membership`): what a rank reads per
-    restart does not grow with the job.
+    restart does not grow with the job. With a rank assignment that keeps
+    the survivors in their order (the default), the termination barrier's
+    decision carries the fault baseline and the survivors' digest, and every
+    rank derives the next membership from it: a restart is one rendezvous,
+    not two (:class:`Termination`, :func:`survivors`).
 
 Read API
     What a job controller reads of a running Wrapper job, over any

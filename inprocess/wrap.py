@@ -946,6 +946,11 @@ class CallWrapper:
                 if attempt == 0 and self._derives(following, previous, joiners):
                     assert following is not None
                     decision = self._derived_membership(participants, value, following)
+                    log.info(
+                        "%s: iteration %d membership derived from the termination barrier",
+                        self.identity,
+                        iteration,
+                    )
                 else:
                     published = self.store.rendezvous(
                         name,

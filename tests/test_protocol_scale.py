@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 
 from inprocess import Wrapper, records
+from inprocess import protocol as P
 from inprocess.exception import InternalError
 from inprocess.monitor_thread import RankShouldRestart
 from inprocess.progress_watchdog import ProgressBoard
@@ -324,6 +325,34 @@ def test_a_derived_membership_is_checked_against_the_termination_decision(ranks)
     assert sorted(errors) == [3], errors
     assert isinstance(errors[3], InternalError)
     assert "not the termination barrier's" in str(errors[3])
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_lost_after_a_derived_restart_faults_the_new_iteration(ranks):
+    """The derived iteration starts from the fault count the termination barrier's
+    decider read: a rank that dies after that barrier (its monitor process marks it
+    terminated) faults the new iteration, and the next restart goes on without it.
+    A join request after the decision faults it too: the next termination admits
+    the joiner, and that restart goes through the iteration barrier."""
+    group = ranks(6)
+    errors = group.each(group.restart)
+    assert not errors, errors
+    baseline = group.current[0].baseline
+    store = group.wrappers[0].store
+    assert store.fault_count() == baseline, "the restart's own fault is behind it"
+    lost = group.wrappers[4].identity
+    store.mark_terminated(lost, "process died")
+    assert P.completion_outcome(store.fault_count(), baseline) == P.FAULT
+    survivors = [r for r in range(group.n) if r != 4]
+    errors = group.each(group.restart, survivors)
+    assert not errors, errors
+    members = {tuple(group.current[r].members) for r in survivors}
+    assert len(members) == 1 and lost not in next(iter(members))
+    assert group.barrier_arrivals(2) == 0  # derived again: nobody joined
+    # a join request after the termination decision: a fault of the new iteration
+    baseline = group.current[0].baseline
+    store.request_join("9/1.joiner")
+    assert P.completion_outcome(store.fault_count(), baseline) == P.FAULT
 
 
 def test_a_wait_for_peers_never_blocks_near_the_hard_timeout():

@@ -78,10 +78,16 @@ def test_successive_exceptions_recovered_without_losing_a_rank(tmp_path, world, 
             faults=successive_faults(world, faults, seed=world),
             python_step_seconds=0.1,
             steps=20,
+            log_level="INFO",
         ),
         timeout=200,
     )
     assert_completed(result, world, iterations=faults)
+    # The default rank assignment keeps the survivors' order: every restart's
+    # membership was derived from the termination barrier (no iteration barrier).
+    for rank in range(world):
+        derived = result.ranks[rank].output.count("membership derived from the termination")
+        assert derived == faults, result.describe()
     # Where the others were when interrupted: inside the collective or in Python code.
     for rank in range(world):
         interrupted = [e for e in result.report(rank)["events"] if e["kind"] == "interrupted"]
