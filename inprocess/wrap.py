@@ -930,9 +930,10 @@ class CallWrapper:
         prev_members = protocol.roster(prev_members)  # (itself, in the Wrapper's loop)
         for attempt in itertools.count():
             name = protocol.barrier_name(iteration, attempt)
-            value, assigned = protocol.JOIN, self.state.copy()
             if previous is not None:
                 value, assigned = self._assign_rank(previous, prev_members, terminated, name)
+            else:
+                value, assigned = protocol.JOIN, self.state.copy()
             planned = assigned.copy()
             # In the common case (nobody out, nobody joins) the roster it holds:
             # no O(N) work on any rank but the decider.
