@@ -304,10 +304,11 @@ class NodeRelay:
         if out is None:
             return
         for arrival in arrivals:
-            # A decision a rank misses it reads from the store after its wait chunk;
-            # a task (check, count the dead, arrive on your own) it must get: a full
-            # queue is waited out a while.
-            tries = 1 if kind == "decision" else 200
+            # A rank must get what it is told: a full queue is waited out a while
+            # (a task: check, count the dead, arrive on your own), or shortly (a
+            # decision: a rank that misses it reads it from the store, late, once
+            # its wait chunks grew; see StoreMixin._relayed).
+            tries = 20 if kind == "decision" else 200
             for _ in range(tries):
                 try:
                     out.sendto(data, arrival.reply)

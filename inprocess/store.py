@@ -95,6 +95,10 @@ COUNTED_WAIT = 1.0
 #: :mod:`inprocess.progress_watchdog`): one chunk must never come near it.
 WAIT_CHUNK = 2.0
 WAIT_CHUNK_MAX = 30.0
+#: a rank waiting on its node's live relay looks at the store itself only once its
+#: wait chunks grew to this, or to the store's cap (2 + 4 + 8 s into the wait; see
+#: StoreMixin._relayed)
+RELAYED_LOOK = 8.0
 
 
 class WakeWait:
@@ -754,13 +758,20 @@ class StoreMixin:
             answer = relay.receive(name, min(chunk, max(deadline - time.monotonic(), 0.0)))
             complete: _Reads | None = None
             if answer is None:
-                # a chunk with no answer: look at the store itself (an answer lost
-                # to a full socket queue, a relay that died)
+                # A chunk with no answer. While the relay that took the arrival
+                # runs, the decision comes from it (it retries a full queue): the
+                # store is looked at only once the waits grew to RELAYED_LOOK (a
+                # slow barrier's every rank must not read it every chunk, as at
+                # 16k simulated ranks on two cores), at the deadline, and when the
+                # relay died.
                 if on_wait is not None:
                     on_wait()
-                published = P.first_or_none(self.entries(P.done_key(name)))
-                if published is not None:
-                    return published
+                alive = relay.relay_alive()
+                grown = chunk >= min(RELAYED_LOOK, chunk_max)
+                if not alive or grown or time.monotonic() >= deadline:
+                    published = P.first_or_none(self.entries(P.done_key(name)))
+                    if published is not None:
+                        return published
                 if time.monotonic() >= deadline:
                     raise BarrierTimeout(
                         f"rendezvous {name!r} timed out "
@@ -771,7 +782,7 @@ class StoreMixin:
                 # past the number of members every count is followed by a full
                 # read of the arrivals. A few ranks of a node may pay that; all
                 # ranks of a slow barrier must not (O(N^2) reads).
-                if not relay.relay_alive():
+                if not alive:
                     log.warning(
                         "%s: the node's relay died; arriving at %r on its own", identity, name
                     )

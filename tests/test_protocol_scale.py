@@ -39,9 +39,16 @@ NS = "inprocess/scale/call0"
 
 
 class CountingStore(PrefixStore):
-    """A rank's store that counts the bytes its answers carry (what the rank reads)."""
+    """A rank's store that counts the bytes its answers carry (what the rank reads),
+    and its looks at a rendezvous' decision."""
 
     read_bytes = 0
+    decision_looks = 0
+
+    def entries(self, key: str) -> list[str]:
+        if key.endswith("/d"):  # a rendezvous' published decision (protocol.done_key)
+            self.decision_looks += 1
+        return super().entries(key)
 
     def _count(self, value: Any) -> Any:
         self.read_bytes += len(value) if isinstance(value, bytes | str) else 0
@@ -473,6 +480,42 @@ def test_a_relay_killed_mid_barrier_costs_a_chunk_not_a_hang(ranks):
     assert time.monotonic() - killed < 30
     members = {tuple(c.members) for c in group.current}
     assert len(members) == 1 and len(next(iter(members))) == 16
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_waiting_on_a_live_relay_leaves_the_store_alone(ranks):
+    """Rank 15 holds the barrier back 7 s: the ranks waiting on their live relays look
+    at the store themselves at no chunk's end (the relay brings the decision). A relay
+    whose decisions are lost (dropped here) costs its ranks a look once their chunks
+    reached the store's cap, not a hang."""
+    group = ranks(16, per_node=8)
+    looks = [cw.store.decision_looks for cw in group.wrappers]
+
+    def restart(rank: int) -> None:
+        if rank == 15:
+            time.sleep(7.0)  # past the first two chunks (2 s, then 4 s) of the others
+        group.restart(rank)
+
+    errors = group.each(restart)
+    assert not errors, errors
+    waited = [cw.store.decision_looks - b for cw, b in zip(group.wrappers, looks, strict=True)]
+    assert waited[:15] == [0] * 15, waited
+    # node 1's relay drops every decision; its ranks' chunks are capped at 1 s
+    dropping = group.relays[1]
+    told = dropping._tell
+
+    def drop_decisions(arrivals, kind, name, text=""):
+        if kind != "decision":
+            told(arrivals, kind, name, text)
+
+    dropping._tell = drop_decisions
+    for cw in group.wrappers[8:]:
+        cw.store.wait_chunk_max = 1.0
+    started = time.monotonic()
+    errors = group.each(group.restart)
+    assert not errors, errors
+    assert time.monotonic() - started < 60
+    assert len({tuple(c.members) for c in group.current}) == 1
 
 
 @pytest.mark.timeout(60)
