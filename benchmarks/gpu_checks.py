@@ -10,7 +10,10 @@ and NVMLHealthCheck, as a restart runs them.
   :class:`inprocess.abort.AbortTorchDistributed` (what the Wrapper's restart
   runs) 2 s into the wait. Reports whether and when the ``all_reduce``
   returned, what it raised, and whether the process then forms a new NCCL
-  group and reduces on it (what the next iteration does).
+  group and reduces on it (what the next iteration does). Run twice: as
+  torch sets up communicators by default, then with
+  ``TORCH_NCCL_USE_COMM_NONBLOCKING=1`` (each bounded: 150 s for rank 0's
+  report, then its processes are killed).
 * ``cuda_health``: :class:`inprocess.health_check.CudaHealthCheck` on a GPU
   that drained (passes), on a GPU busy with a kernel for 10 s with a 2 s
   timeout (fails in about 2 s: a hung GPU), and after a device-side assert (a
