@@ -189,8 +189,11 @@ def check_after_run(launch: Launch) -> None:
 @pytest.mark.timeout(300)
 def test_worker_sigkill_relaunch_and_rejoin(tmp_path):
     """Rank 1, then rank 0 (the rank that speaks for the job) of one job: each
-    killed worker's survivors go on in-process at world size 3, and its relaunched
-    process rejoins them at full size. Rank 0 dies with its monitor process (as
+    killed worker's survivors go on in-process, at world size 3 until its
+    relaunched process rejoins them at full size (or at full size at once, when
+    the relaunched process asked to join before their termination barrier
+    decided: a relaunch from the template can take under a second, seen with
+    a termination barrier that took 2 s). Rank 0 dies with its monitor process (as
     on a lost node, or by a signal to its process group): the controller, which
     saw the worker's exit, or the node group's leader (another worker's monitor
     process, which saw both exit), declares it terminated, whichever comes first,
@@ -217,7 +220,7 @@ def test_worker_sigkill_relaunch_and_rejoin(tmp_path):
         launch.stop()
         check_clean_success(launch, None)
         events = launch.events()
-        assert sum(e["kind"] == "start" and e["world"] == 3 and e["rank"] == 2 for e in events) >= 2
+        assert sum(e["kind"] == "start" and e["world"] == 3 and e["rank"] == 2 for e in events) >= 1
         survivors = {r for r in range(4) if r not in victims}
         # The survivors' processes were never restarted (incarnation 0 all along),
         # but for the README's known limitation: a survivor left in a gloo send
