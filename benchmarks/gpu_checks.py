@@ -55,8 +55,10 @@ def _exit_after(out: Any, result: dict[str, Any]) -> None:
 # ----------------------------------------------------------------------------- NCCL abort
 
 
-def nccl_rank(rank: int, port: int, out: Any) -> None:
+def nccl_rank(rank: int, port: int, out: Any, env: dict[str, str]) -> None:
     """One rank of the two-rank NCCL group (see the module docstring)."""
+    os.environ.update(env)  # before torch reads it
+
     import torch
     import torch.distributed as dist
 
@@ -124,44 +126,32 @@ def nccl_rank(rank: int, port: int, out: Any) -> None:
 
 
 def nccl_abort(env: dict[str, str] | None = None) -> dict[str, Any]:
-    """The NCCL check; ``env``: variables its ranks start with (e.g. torch's
-    ``TORCH_NCCL_USE_COMM_NONBLOCKING``)."""
-    saved = {k: os.environ.get(k) for k in env or {}}
-    os.environ.update(env or {})  # the ranks (spawned) start with it
-    try:
-        result = _nccl_ranks()
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-    if env:
-        result["env"] = env
-    return result
-
-
-def _nccl_ranks() -> dict[str, Any]:
+    """The NCCL check; ``env``: variables its ranks set before torch is imported
+    (e.g. torch's ``TORCH_NCCL_USE_COMM_NONBLOCKING``)."""
     from inprocess._net import free_port
     from inprocess.store import TCPStore
 
+    env = env or {}
     port = free_port()
     server = TCPStore(host_name=HOST, port=port, is_master=True, timeout=_td(120))
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
-    ranks = [ctx.Process(target=nccl_rank, args=(r, port, out)) for r in (0, 1)]
+    ranks = [ctx.Process(target=nccl_rank, args=(r, port, out, env)) for r in (0, 1)]
     for process in ranks:
         process.start()
     try:
-        return out.get(timeout=150)
+        result = out.get(timeout=150)
     except Exception:
-        return {"check": "nccl_abort", "error": "rank 0 reported nothing within 150 s"}
+        result = {"check": "nccl_abort", "error": "rank 0 reported nothing within 150 s"}
     finally:
         for process in ranks:
             process.join(10)
             if process.is_alive():
                 process.kill()
         del server
+    if env:
+        result["env"] = env
+    return result
 
 
 # ----------------------------------------------------------------------------- health checks
