@@ -280,6 +280,7 @@ class NodeRelay:
         for thread in self.threads if wait else ():
             thread.join(timeout=WAIT_CHUNK_MAX + 5.0)
         if sock is not None:
+            self._send_off_queued(sock)
             sock.close()
         owner = os.path.join(self.directory, RELAY_OWNER)
         with contextlib.suppress(OSError):
@@ -295,6 +296,24 @@ class NodeRelay:
             self._tell(rendezvous.handed + rendezvous.pending, "direct", name)
         if self.out is not None:
             self.out.close()
+
+    def _send_off_queued(self, sock: socket.socket) -> None:
+        """Arrivals still queued on the relay's socket, which no thread will take now:
+        their ranks are told to arrive on their own (closing the socket would drop
+        them, and each rank would wait a chunk to notice). A socket shut down still
+        hands over what was queued before; new senders get an error and go direct."""
+        sock.setblocking(False)
+        while True:
+            try:
+                data = sock.recv(_MAX_DATAGRAM)
+            except OSError:
+                return
+            if not data:
+                return
+            fields = data.decode(errors="replace").split(_SEP)
+            if len(fields) == 5:
+                name, identity, value, _, reply = fields
+                self._tell([_Arrival(identity, value, reply)], "direct", name)
 
     def _tell(self, arrivals: list[_Arrival], kind: str, name: str, text: str = "") -> None:
         data = _SEP.join((kind, name, text)).encode()

@@ -519,6 +519,28 @@ def test_a_rank_waiting_on_a_live_relay_leaves_the_store_alone(ranks):
 
 
 @pytest.mark.timeout(60)
+def test_a_relay_that_stops_sends_off_the_arrivals_still_queued(tmp_path):
+    """An arrival queued on the relay's socket when it stops (its receiving thread has
+    not taken it) is answered "arrive on your own", not dropped with the socket."""
+    server = TCPStore(host_name="127.0.0.1", port=0, is_master=True, timeout=TD)
+
+    def connect() -> PrefixStore:
+        return PrefixStore(NS, TCPStore(host_name="127.0.0.1", port=server.port, is_master=False))
+
+    relay = NodeRelay(str(tmp_path), connect, expected=lambda: 2)
+    relay._receive = lambda: None  # a receiving thread that takes nothing
+    relay.start()
+    client = RelayClient(str(tmp_path), "0/0.a")
+    try:
+        assert client.arrive("i0/t", "0/0.a", "", 2)
+        relay.stop()
+        assert client.receive("i0/t", 10.0) == ("direct", "")
+    finally:
+        client.close()
+        server = None  # the store's server, down with its last reference
+
+
+@pytest.mark.timeout(60)
 def test_a_relay_ignores_garbage_and_sends_its_waiters_off_when_it_stops(tmp_path):
     """What reaches the relay's socket malformed is dropped; a relay that stops tells the
     ranks waiting on it to arrive on their own."""
