@@ -32,6 +32,7 @@ import time
 
 import torch.distributed as dist
 
+from inprocess import protocol as P
 from inprocess.rank_assignment import Layer, LayerFlag, RankAssignmentCtx, Tree
 from inprocess.state import State
 from inprocess.store import StoreMixin
@@ -65,10 +66,16 @@ def build(whole_hosts: bool, world_size: int) -> tuple[Tree, State, float]:
     tree = Tree(layers(whole_hosts))
     me = world_size - 1
     store = HashStore()
+    # The other ranks' arrivals, as all_gather_lines records them: a line and an
+    # arrival each, and the arrival count.
+    lines = []
     for r in range(world_size - 1):
         keys = [layer.key(State(rank=r, world_size=world_size)) for layer in tree.layers]
-        store.append("inprocess/tree/keys", json.dumps([r, r, keys]) + "\n")
-    store.add("inprocess/tree/barrier/count", world_size - 1)
+        lines.append(f"{r}={json.dumps([r, r, keys])}")
+    store.add_entries("inprocess/tree/lines", lines)
+    barrier = "inprocess/tree/barrier"
+    store.add_entries(P.arrivals_key(barrier), [str(r) for r in range(world_size - 1)])
+    store.add(P.count_key(barrier), world_size - 1)
     state = State(rank=me, world_size=world_size)
     start = time.perf_counter()
     out = tree(RankAssignmentCtx(state, store, set())).state

@@ -9,7 +9,19 @@ Two layers:
 """
 
 import importlib
+import logging as _logging
 from typing import TYPE_CHECKING, Any
+
+# At import (it imports no torch): its atexit function must be registered
+# before the user's own, so that theirs run first (see its docstring).
+from . import device_fault as _device_fault  # noqa: F401
+
+# The library logs under "inprocess"; the API's newer generations log under
+# "nvrx". "inprocess" is placed below "nvrx" in the logger hierarchy, so a
+# record goes inprocess -> nvrx -> root and each logger's handlers see it once
+# (a level set on "nvrx" applies to "inprocess" unless it has its own). No
+# handler is added and the root logger is left alone.
+_logging.getLogger("inprocess").parent = _logging.getLogger("nvrx")
 
 # Imported on first use (PEP 562), so that a process that needs only the job
 # layer (a controller, a Ray node agent) does not pay for importing torch.

@@ -92,6 +92,9 @@ class WrapperConfig:
     snapshot_dir: str | None = None
     #: persist the snapshots of steps that are multiples of this (needs ``snapshot_dir``)
     persist_every: int | None = None
+    #: stage CUDA snapshots on the device first (``None``: where the device has
+    #: room; see :class:`inprocess.snapshot.buffers.DeviceCopier`)
+    snapshot_staging: bool | None = None
     #: derived from the callbacks' shapes (see :mod:`inprocess.generation`)
     generation: Generation = Generation.GUIDE
 
@@ -204,6 +207,8 @@ def _check_snapshots(a: dict[str, Any]) -> None:
     """``snapshot_dir`` (a path, made absolute); ``persist_every`` (an int >= 1, needs it)."""
     a.setdefault("snapshot_dir", None)
     a.setdefault("persist_every", None)
+    a.setdefault("snapshot_staging", None)
+    _check_type("snapshot_staging", a["snapshot_staging"], (bool, type(None)), "a bool or None")
     _check_type("snapshot_dir", a["snapshot_dir"], (str, os.PathLike, type(None)), "a path or None")
     if a["snapshot_dir"] is not None:
         a["snapshot_dir"] = os.path.abspath(os.fspath(a["snapshot_dir"]))

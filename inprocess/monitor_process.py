@@ -42,6 +42,7 @@ number the child reuses). Otherwise it is started as a fresh interpreter
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import logging
 import os
@@ -57,6 +58,7 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from .node import NodeLeader, NodeMember, group_dir
+from .proctitle import set_title
 from .progress_watchdog import ProgressBoard, ring
 from .protocol import Peers
 
@@ -69,6 +71,10 @@ REPORT_DEADLINE = 30
 FORK_START_GRACE = 10.0
 #: how many successors in the membership ring each monitor watches
 WATCHED_PEERS = 2
+#: seconds before the first new try at replacing a monitor process that could not
+#: be replaced; each failure doubles it, up to :data:`RESTART_BACKOFF_MAX`
+RESTART_BACKOFF = 0.5
+RESTART_BACKOFF_MAX = 8.0
 
 _SHUTDOWN = b"S"
 _READY = b"R"
@@ -106,12 +112,16 @@ class MonitorConfig:
 class _Fds:
     """The pipes a monitor process inherits: the progress board, the parent's
     control pipe (EOF: the parent is gone), the pipe it reports ready on and the
-    write end of the rank's doorbell (-1: none; rung after news on the board)."""
+    write end of the rank's doorbell (-1: none; rung after news on the board), and
+    a pidfd of the rank (-1: the child opens one; a spawned child gets it from the
+    rank, so a rank that dies before its monitor is up is still seen dead, never
+    another process that took its pid)."""
 
     board: int
     control: int
     ready: int
     doorbell: int = -1
+    parent: int = -1
 
 
 class _ForkedChild:
@@ -165,9 +175,17 @@ class MonitorProcess:
         self.forked = False
         self._control_w: int | None = None
         self._ready_r: int | None = None
+        #: ``time.time()`` when the latest process reported ready (None: not yet)
+        self.ready_at: float | None = None
 
-    def start(self, timeout: float) -> None:
-        """Starts the process and waits until it is connected to the store.
+    def start(
+        self,
+        timeout: float,
+        wait: bool = True,
+        send_heartbeat: Callable[[], Any] | None = None,
+    ) -> bool:
+        """Starts the process and waits until it is connected to the store; returns
+        whether it is (always ``True`` with ``wait``).
 
         A forked child that is still alive but not ready after
         :data:`FORK_START_GRACE` is presumed deadlocked: :func:`fork_is_safe`
@@ -175,12 +193,26 @@ class MonitorProcess:
         store client's loop) may have held a lock (the allocator's, the
         logging module's) at the fork. It is killed and a fresh interpreter,
         which inherits no lock, is started with the time left.
+
+        ``wait=False``: a fresh interpreter (the fork is not safe: CUDA is
+        initialized, or other threads run) imports torch before it is ready,
+        seconds that the rank need not spend waiting: it is started and this
+        returns ``False`` at once. A thread waits for it, calling
+        ``send_heartbeat()`` every ``heartbeat_interval`` meanwhile (the
+        rank's node may have no other beat yet), and kills it if it is not
+        ready within ``timeout`` (the keeper of :meth:`keep_alive` then
+        replaces it). Until it is ready its rank's monitor thread reads the
+        store for faults itself; a death meanwhile is still reported (the
+        child watches the rank through a pidfd the rank opened, see
+        :class:`_Fds`). A forked child is quick and always waited for.
         """
         deadline = time.monotonic() + timeout
+        self.ready_at = None
         if fork_is_safe():
             grace = min(FORK_START_GRACE, timeout / 2)
             if self._start_once(self._fork, grace):
-                return
+                self.ready_at = time.time()
+                return True
             assert self.process is not None
             if self.process.poll() is not None:  # it failed: a fresh one would fail alike
                 self._fail(timeout)
@@ -191,8 +223,61 @@ class MonitorProcess:
                 grace,
             )
             self._discard()
+        if not wait:
+            if self._start_once(self._spawn, 0.0):
+                self.ready_at = time.time()
+                return True
+            self._await_ready(max(deadline - time.monotonic(), 0.0), send_heartbeat)
+            return False
         if not self._start_once(self._spawn, max(deadline - time.monotonic(), 0.0)):
             self._fail(timeout)
+        self.ready_at = time.time()
+        return True
+
+    def _await_ready(self, timeout: float, send_heartbeat: Callable[[], Any] | None) -> None:
+        """Waits in a thread for the child just started to report ready (see :meth:`start`).
+
+        The thread reads a copy of the ready pipe: the keeper may close the
+        original (the child died, and is replaced). It ends when the child is
+        ready, exits (EOF), is killed after ``timeout``, or :meth:`shutdown`
+        closes its stop pipe.
+        """
+        assert self._ready_r is not None and self.process is not None
+        ready_r, process = os.dup(self._ready_r), self.process
+        stop_r, self._ready_stop = os.pipe()
+
+        def wait() -> None:
+            try:
+                with _heartbeats_meanwhile(send_heartbeat, self.config.heartbeat_interval):
+                    ready, _, _ = select.select([ready_r, stop_r], [], [], timeout)
+                    if stop_r in ready:
+                        return
+                    if ready_r in ready:
+                        if os.read(ready_r, 1) == _READY:
+                            self.ready_at = time.time()
+                            log.debug("monitor process %d ready", process.pid)
+                        return  # (EOF: it exited; the keeper replaces it)
+                    log.warning(
+                        "monitor process %d not ready after %.3gs; killing it", process.pid, timeout
+                    )
+                    process.kill()
+            finally:
+                os.close(ready_r)
+                os.close(stop_r)
+
+        self._ready_waiter = threading.Thread(
+            target=wait, name="inprocess-monitor-start", daemon=True
+        )
+        self._ready_waiter.start()
+
+    def _stop_ready_wait(self) -> None:
+        """Ends and joins the thread of :meth:`_await_ready`, if any."""
+        waiter: threading.Thread | None = getattr(self, "_ready_waiter", None)
+        if waiter is None:
+            return
+        os.close(self._ready_stop)  # EOF: the thread returns
+        waiter.join()
+        self._ready_waiter = None
 
     def _start_once(self, launch: Callable[[_Fds], None], timeout: float) -> bool:
         """Starts one child with ``launch``; whether it reported ready within ``timeout``."""
@@ -227,7 +312,7 @@ class MonitorProcess:
 
     def _fail(self, timeout: float) -> NoReturn:
         code = self.process.poll() if self.process is not None else None
-        self.shutdown()
+        self._end_child()  # (not the keeper: it tries again, see keep_alive)
         raise RuntimeError(
             f"the monitor process did not start within {timeout:.3g}s (exit code {code})"
         )
@@ -247,6 +332,13 @@ class MonitorProcess:
         self.last_pid = pid
 
     def _spawn(self, fds: _Fds) -> None:
+        parent = os.pidfd_open(os.getpid())
+        try:
+            self._spawn_with(dataclasses.replace(fds, parent=parent))
+        finally:
+            os.close(parent)  # the child has its copy
+
+    def _spawn_with(self, fds: _Fds) -> None:
         try:
             # Before anything is started: a fresh interpreter learns everything from this.
             payload = pickle.dumps((self.config, fds))
@@ -264,7 +356,7 @@ class MonitorProcess:
         process = subprocess.Popen(
             [sys.executable, "-m", "inprocess.monitor_process_main"],
             stdin=subprocess.PIPE,
-            pass_fds=tuple({fds.board, fds.control, fds.ready, fds.doorbell} - {-1}),
+            pass_fds=tuple({fds.board, fds.control, fds.ready, fds.doorbell, fds.parent} - {-1}),
             env=env,
             start_new_session=True,
             close_fds=True,
@@ -291,11 +383,16 @@ class MonitorProcess:
         thread polls the child every ``interval`` and starts a new one (a fresh
         interpreter: other threads run now) with the same board; the rank's
         training goes on untouched. ``on_restart(pid, reason)`` is called after.
+        A replacement that does not start (killed while it starts, say) is
+        tried again after :data:`RESTART_BACKOFF`, doubled after each failure
+        up to :data:`RESTART_BACKOFF_MAX`, for as long as the rank runs: a rank
+        is never left without a monitor, which alone would stop it when it
+        hangs.
         A fresh interpreter imports torch before it is ready, which takes longer
         than ``heartbeat_timeout`` on a loaded machine: until it is ready,
         ``send_heartbeat()`` (this rank's heartbeat through the rank's own store
         client) is called every ``heartbeat_interval`` on the dead monitor's
-        behalf.
+        behalf, also between the tries.
         Invariant: :meth:`shutdown` first stops and joins this thread, so a
         restart under way completes before the process is shut down and nothing
         is restarted once shutdown has begun (the stop flag is read under
@@ -327,12 +424,9 @@ class MonitorProcess:
                             with contextlib.suppress(OSError):
                                 os.close(fd)
                     self._control_w = self._ready_r = None
-                    try:
-                        with _heartbeats_meanwhile(send_heartbeat, self.config.heartbeat_interval):
-                            self.start(timeout)
-                    except Exception:
-                        log.exception("cannot restart the monitor process")
-                        return
+                    with _heartbeats_meanwhile(send_heartbeat, self.config.heartbeat_interval):
+                        if not self._restart(timeout):
+                            return  # shut down meanwhile
                     pid = self.process.pid if self.process is not None else -1
                 if on_restart is not None:
                     try:
@@ -342,6 +436,30 @@ class MonitorProcess:
 
         self._keeper = threading.Thread(target=keep, name="inprocess-monitor-keeper", daemon=True)
         self._keeper.start()
+
+    def _restart(self, timeout: float) -> bool:
+        """Starts a new monitor process, trying again (with a growing pause) until one
+        starts; ``False`` if :meth:`shutdown` began first."""
+        delay = RESTART_BACKOFF
+        failures = 0
+        while True:
+            try:
+                self.start(timeout)
+                return True
+            except Exception as ex:
+                failures += 1
+                # (text only: a record holding the exception would keep its frames,
+                # and through them the rank's store, alive)
+                log.log(
+                    logging.ERROR if failures == 1 else logging.WARNING,
+                    "cannot restart the monitor process (%d failures: %s); trying again in %.3gs",
+                    failures,
+                    f"{type(ex).__name__}: {ex}",
+                    delay,
+                )
+            if self._keeper_stop.wait(delay):
+                return False
+            delay = min(delay * 2, RESTART_BACKOFF_MAX)
 
     def _stop_keeper(self) -> None:
         keeper = getattr(self, "_keeper", None)
@@ -354,7 +472,12 @@ class MonitorProcess:
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Tells the monitor that this rank is done, and waits for it to exit."""
+        self._stop_ready_wait()
         self._stop_keeper()
+        self._end_child(timeout)
+
+    def _end_child(self, timeout: float = 10.0) -> None:
+        """Tells the child to exit (it is killed after ``timeout``); closes its pipes."""
         if self._control_w is not None:
             with contextlib.suppress(OSError):
                 os.write(self._control_w, _SHUTDOWN)
@@ -384,7 +507,7 @@ class _Guardian:
         self.control_fd = fds.control
         self.doorbell_fd = fds.doorbell
         self.board = ProgressBoard(fds.board)
-        self.parent_fd = os.pidfd_open(config.parent_pid)
+        self.parent_fd = fds.parent if fds.parent >= 0 else os.pidfd_open(config.parent_pid)
         self.store: Any = None
         self.kill_started: float | None = None
         self.kill_escalated = False
@@ -705,9 +828,10 @@ def _configure_logging(config: MonitorConfig) -> None:
 def _quiet_native_stderr() -> None:
     """Drops what native code writes to this process's stderr; Python keeps it.
 
-    The fault watch's waits time out once a chunk, and torch's store client
-    writes two warning lines each time (to file descriptor 2, not through
-    Python): from every rank, on a quiet job, forever. What this process has
+    torch's store client writes its warnings to file descriptor 2, not
+    through Python: one pair for every timed wait that ran out. This process's
+    store waits no longer run out so (:mod:`inprocess.quiet_wait`), but a
+    store that cannot be reached still makes it write. What this process has
     to say goes through Python's logging, which keeps the original stderr.
     """
     with contextlib.suppress(OSError, ValueError):
@@ -752,6 +876,12 @@ def run(config: MonitorConfig, fds: _Fds) -> int:
     """The monitor process's life: connect, report ready, watch until done."""
     # Lifecycle is driven by the parent (pipe, pidfd), not by terminal signals.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # A fork of its rank would show the rank's command line: pgrep -f SCRIPT must
+    # find the workers alone, so the title names the rank, never the script.
+    set_title(
+        f"inprocess monitor of rank {config.initial_rank} (worker pid {config.parent_pid})",
+        "inproc-monitor",
+    )
     _quiet_native_stderr()
     _configure_logging(config)
     try:
@@ -760,10 +890,20 @@ def run(config: MonitorConfig, fds: _Fds) -> int:
         return 0  # the parent is already gone
     try:
         guardian.connect()
+    except ProcessLookupError:
+        # The rank is gone before this process was up (started beside it, see
+        # MonitorProcess.start): connected to the store, its death is reported still.
+        if guardian.store is None:
+            log.error("rank %s is gone and the store unreachable", config.identity)
+            return 1
+        return 0 if guardian.on_parent_exit() else 1
     except Exception as ex:
         log.error("cannot connect to the store: %s", ex)
         return 1
-    os.write(fds.ready, _READY)
+    # A rank that is not waiting for this (it started it in the background and
+    # died meanwhile) left no reader: its death is reported below, not lost here.
+    with contextlib.suppress(OSError):
+        os.write(fds.ready, _READY)
     os.close(fds.ready)
     log.info("monitoring rank %s (pid %d)", config.identity, config.parent_pid)
     guardian.leave(guardian.run())

@@ -2,7 +2,8 @@
 
 The monitor thread polls the store's fault counter and the progress watchdog.
 When the current iteration is faulted it waits ``last_call_wait`` (so that
-concurrent faults of other ranks are recorded), then, holding the lock that
+concurrent faults of other ranks are recorded; a join request ends the wait at
+once), then, holding the lock that
 :meth:`inprocess.CallWrapper.atomic` shares, raises :class:`RankShouldRestart`
 in the main thread asynchronously and runs the ``Abort`` callback, which
 releases a main thread blocked in a collective. It keeps raising until the main
@@ -462,7 +463,7 @@ class MonitorThread(threading.Thread):
             proposed = not armed.in_function
             if proposed and not self._fault_stands(armed):
                 continue  # the iteration completed first; nothing to interrupt
-            if self._stop_event.wait(self.last_call_wait):
+            if self._last_call(armed):
                 return
             if not self._interrupt(armed, cause, proposed):
                 # it reached the completion barrier meanwhile: the outcome first
@@ -472,6 +473,41 @@ class MonitorThread(threading.Thread):
             # Its re-send loop took the rings meant for this loop (the next
             # iteration armed, a fault after it): look again at once.
             look_now = True
+
+    def _last_call(self, armed: Armed) -> bool:
+        """Waits ``last_call_wait`` so that concurrent faults are recorded before the
+        restart; returns whether this thread is stopping.
+
+        A join request among the faults since ``armed`` began ends the wait at
+        once: a joiner is not a fault to collect with others but a rank waiting
+        to train, most often the replacement of a rank that died a moment ago,
+        whose restart it then joins (one restart at full size, rather than one
+        without it and one more to admit it). The fault log is read once per
+        fault count the fault watch writes on the board (each rings the
+        doorbell); with no watch, once.
+        """
+        deadline = time.monotonic() + self.last_call_wait
+        looked: int | None = -1
+        while True:
+            seen = self.faults_seen()
+            if seen != looked and (seen is not None or looked == -1):
+                looked = seen
+                if self._join_requested(armed):
+                    return self._stop_event.is_set()
+            left = deadline - time.monotonic()
+            if left <= 0 or self._stop_event.is_set():
+                return self._stop_event.is_set()
+            if seen is None:
+                return self._stop_event.wait(left)
+            self._wake.wait(left)
+
+    def _join_requested(self, armed: Armed) -> bool:
+        """Whether a fault recorded since ``armed`` began is a join request."""
+        try:
+            return bool(self.store.join_requested_since(armed.baseline))
+        except Exception as ex:  # the store is unreachable: the restart will tell
+            log.debug("%s: cannot read the fault log: %s", self.identity, ex)
+            return False
 
     def _fault_stands(self, armed: Armed) -> bool:
         """Proposes "fault" for the armed iteration; whether it stands (``False``: the

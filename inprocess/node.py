@@ -39,7 +39,6 @@ import os
 import re
 import select
 import socket
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -49,6 +48,7 @@ from typing import Any
 from . import protocol as P
 from .failover.processes import process_start_time
 from .relay import NodeRelay
+from .userdir import user_dir
 
 log = logging.getLogger(__name__)
 
@@ -99,10 +99,10 @@ def group_dir(namespace: str, node: str, address: str) -> str:
     Two jobs on one host share a group only if they share the store and the
     call namespace, that is, if they are one job.
     """
-    base = tempfile.gettempdir()
-    root = os.path.join(base, f"inprocess-{os.getuid()}")
+    # this user's private directory, found alike by every process of the job
+    root = user_dir()
     if len(root) + 40 > _MAX_SOCKET_PATH:
-        root = f"/tmp/inprocess-{os.getuid()}"  # a long TMPDIR: sockets must fit
+        root = user_dir("/tmp")  # a long TMPDIR: sockets must fit
     # the root is in the digest: the name a group beats under (group_of) is its own
     digest = hashlib.blake2b(f"{root}\0{address}\0{namespace}\0{node}".encode(), digest_size=8)
     return os.path.join(root, digest.hexdigest())
@@ -331,6 +331,11 @@ def _remove_group(directory: str) -> bool:
     return True
 
 
+#: seconds a node's fault watch pauses after a fault it published before it looks
+#: again: the faults of a burst (a death, then each peer's) are read together,
+#: and a fault that follows a burst (a replacement's join request) is heard this
+#: soon, whatever the monitor interval (see StoreMixin.watch_faults)
+FAULT_BURST_PAUSE = 0.1
 #: seconds a group's directory must be left unchanged before another group's leader
 #: may sweep it (a fresh one is being joined)
 STALE_AFTER = 60.0
@@ -705,7 +710,10 @@ class NodeLeader:
                 store = self.connect()
                 down = False
                 store.watch_faults(
-                    self.send, self.fault_chunk, self.interval, stop=lambda: self.stopped
+                    self.send,
+                    self.fault_chunk,
+                    min(self.interval, FAULT_BURST_PAUSE),
+                    stop=lambda: self.stopped,
                 )
             except Exception as ex:
                 if self.stopped:

@@ -81,6 +81,29 @@ def _pending_call_ran() -> bool:
     return _libc.sem_trywait(_SEMAPHORE) == 0
 
 
+# Semaphores of the connection watchdogs (one each, so that watchdogs never
+# consume each other's runs). A semaphore goes back to the free list only when
+# no call on it can still run; one whose call is still queued is kept forever.
+_free_semaphores: list[Any] = []
+_kept_semaphores: list[Any] = []
+_semaphores_lock = threading.Lock()
+
+
+def _take_semaphore() -> Any:
+    with _semaphores_lock:
+        if _free_semaphores:
+            return _free_semaphores.pop()
+    semaphore = ctypes.create_string_buffer(64)
+    if _libc.sem_init(semaphore, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "sem_init failed")
+    return semaphore
+
+
+def _release_semaphore(semaphore: Any, queued: bool) -> None:
+    with _semaphores_lock:
+        (_kept_semaphores if queued else _free_semaphores).append(semaphore)
+
+
 #: where a rank's Wrapper can be, as its board tells the monitor process
 PHASES = (
     "starting",
@@ -487,12 +510,18 @@ class ConnectionProgressWatchdog(threading.Thread):
 
     The interface of the API's newest generation, for code that drives a
     watchdog itself (``ProgressWatchdog(rank, connection, interval)``); the
-    Wrapper uses :class:`ProgressWatchdog` with a board. An automatic heartbeat
-    is sent every ``interval`` while the interpreter runs Python code (the
-    sending thread needs the GIL). Invariants, under ``_send_lock``:
+    Wrapper uses :class:`ProgressWatchdog` with a board. A heartbeat is sent
+    every ``interval``; its ``auto`` is the last time the main thread was seen
+    running Python code (a pending call it ran, seen at the watchdog's tick), so
+    it stands still while the main thread is stuck. While paused nothing is
+    observed: the first heartbeat after :meth:`resume` carries the time last
+    seen before the pause, and the next one a fresh time, so the gap between
+    them shows the pause. Invariants, under ``_send_lock``:
 
     * after :meth:`pause_and_synchronize` returns, nothing is sent until
       :meth:`resume` (a send in progress finished before it returned);
+    * a pending call counts only if it was queued after the last resume
+      (``_queued`` is cleared, and its run discarded, by :meth:`resume`);
     * :meth:`shutdown` sends one last heartbeat, once; later calls do nothing,
       and :meth:`resume` after it raises ``RuntimeError``.
     """
@@ -511,13 +540,25 @@ class ConnectionProgressWatchdog(threading.Thread):
         self.connection = connection
         self.interval = float(seconds)
         self._manual: float | None = None
+        self._auto = time.monotonic()  # the main thread was last seen running code
         self._paused = False
         self._stopped = False
         self._wake = threading.Event()
         self._send_lock = threading.Lock()
+        self._semaphore = _take_semaphore()
+        self._queued = False  # a pending call on our semaphore is queued and not yet seen
 
     def _send(self) -> None:
-        self.connection.send_timestamp(Timestamp(auto=time.monotonic(), manual=self._manual))
+        self.connection.send_timestamp(Timestamp(auto=self._auto, manual=self._manual))
+
+    def _observe(self) -> None:
+        """Sees whether the queued pending call ran (the main thread runs code); queues
+        the next one."""
+        if self._queued and _libc.sem_trywait(self._semaphore) == 0:
+            self._auto = time.monotonic()
+            self._queued = False
+        if not self._queued:
+            self._queued = _add_pending_call(_SEM_POST, ctypes.addressof(self._semaphore)) == 0
 
     def run(self) -> None:
         while not self._wake.wait(self.interval):
@@ -528,6 +569,7 @@ class ConnectionProgressWatchdog(threading.Thread):
                     self._send()
                 except Exception as ex:  # a broken connection must not kill the thread silently
                     log.warning("progress watchdog of rank %s: send failed: %r", self.rank, ex)
+                self._observe()
 
     def ping(self) -> None:
         """Manual heartbeat, sent with the next automatic one."""
@@ -543,6 +585,8 @@ class ConnectionProgressWatchdog(threading.Thread):
         with self._send_lock:
             if self._stopped:
                 raise RuntimeError("ProgressWatchdog.resume() after shutdown()")
+            if self._paused and self._queued and _libc.sem_trywait(self._semaphore) == 0:
+                self._queued = False  # it ran during the pause: no progress seen since
             self._paused = False
 
     def shutdown(self, timeout: float = 10.0) -> None:
@@ -555,3 +599,7 @@ class ConnectionProgressWatchdog(threading.Thread):
         if self.is_alive() and threading.current_thread() is not self:
             self.join(timeout)
         self._send()
+        with self._send_lock:
+            if self._queued and _libc.sem_trywait(self._semaphore) == 0:
+                self._queued = False
+            _release_semaphore(self._semaphore, self._queued)

@@ -5,6 +5,8 @@ field saying what it is):
 
 * the Wrapper writes ``restart`` records (one per restart, by the rank that is
   rank 0 of the new iteration, just before it calls the function again),
+  ``join`` records (one per admitted late process, by that process: the times
+  of its start, its monitor process, its join request and its admission),
   ``iteration`` records (every rank, when its function starts and when its
   iteration ends), ``restore`` records (one per
   :meth:`inprocess.CallWrapper.restore`, by the iteration's active rank 0) and
@@ -33,6 +35,7 @@ restart and nothing while the function runs.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import hashlib
 import json
@@ -115,8 +118,8 @@ def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
             continue
         try:
             record = json.loads(line)
-        except ValueError:
-            continue  # torn by a writer that died mid-line
+        except (ValueError, RecursionError):
+            continue  # torn by a writer that died mid-line, or nested too deeply
         if isinstance(record, dict):
             records.append(record)
     return records
@@ -154,6 +157,19 @@ def end_torn_line(path: str | os.PathLike[str]) -> None:
         f.seek(-1, os.SEEK_END)
         if f.read(1) != b"\n":
             f.write(b"\n")
+
+
+#: control characters (C0, DEL, C1) as the ``\\xNN`` escapes that show them
+_ESCAPES = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0))}
+_ESCAPES_KEEP_LINES = {c: e for c, e in _ESCAPES.items() if chr(c) not in "\n\t"}
+
+
+def printable(text: str, lines: bool = False) -> str:
+    """``text`` (from a worker: an exception's message...) safe to print on a terminal:
+    its control characters escaped (``\\x1b``), so that no escape sequence it holds
+    moves the cursor, retitles the window or hides what was printed. ``lines``:
+    newlines and tabs are kept."""
+    return text.translate(_ESCAPES_KEEP_LINES if lines else _ESCAPES)
 
 
 def records_path(argument: str | os.PathLike[str] | None) -> str | None:
@@ -315,11 +331,14 @@ class Recorder:
     def _write(self, record: dict[str, Any]) -> None:
         assert self.path is not None
         try:
-            append_jsonl(self.path, record)
+            # never through a symlink: one planted at the records file's path would
+            # have the job append to whatever file it names
+            append_jsonl(self.path, record, nofollow=True)
         except OSError as ex:
             self.enabled = False  # one warning, not one per iteration
+            why = "it is a symlink" if ex.errno == errno.ELOOP else ex
             log.warning(
-                "%s: cannot write the restart records to %s: %s", self.identity, self.path, ex
+                "%s: cannot write the restart records to %s: %s", self.identity, self.path, why
             )
 
     # ------------------------------------------------------------ per iteration
@@ -462,6 +481,34 @@ class Recorder:
                 "job": self.job,
                 "call": self.call,
                 "node": self._common["node"],
+            }
+        )
+
+    @_never_raises
+    def joined(self, iteration: int, timeline: dict[str, float | None], monitor: str) -> None:
+        """A ``join`` record: a process that came late (a relaunched worker, a standby
+        that took over) was admitted at the restart that ended ``iteration``.
+
+        ``timeline``: ``time.time()`` of ``process_start`` (the process's creation: a
+        standby's is when it was made, before it took over), ``call_start`` (the
+        Wrapper call began), ``monitor_ready`` (its monitor process reported ready;
+        ``None``: not yet, a fresh interpreter still starting beside the rank),
+        ``join_request`` and ``admitted``; ``monitor``: ``"forked"`` or
+        ``"spawned"``. With the controller's ``worker_exit`` and
+        ``worker_relaunch`` events and the ``restart`` record that admitted it,
+        this places every second between a worker's loss and its replacement
+        training.
+        """
+        if not self.enabled:
+            return
+        self._write(
+            {
+                "type": "join",
+                "time": time.time(),
+                "iteration": iteration,
+                **timeline,
+                "monitor": monitor,
+                **self._common,
             }
         )
 

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from . import incidents as _incidents
-from .records import EVENTS_FILE, RESTARTS_FILE, read_jsonl
+from .records import EVENTS_FILE, RESTARTS_FILE, printable, read_jsonl
 
 PLOT_INSTALL_HINT = "pip install 'inprocess[plot]'   (or: pip install matplotlib)"
 
@@ -51,8 +51,18 @@ PLOT_INSTALL_HINT = "pip install 'inprocess[plot]'   (or: pip install matplotlib
 # --------------------------------------------------------------------------- loading
 
 
-def load(paths: Iterable[str | os.PathLike[str]]) -> list[dict[str, Any]]:
-    """Every record of the given state directories and records files, by time."""
+def load(
+    paths: Iterable[str | os.PathLike[str]], skipped: list[str] | None = None
+) -> list[dict[str, Any]]:
+    """Every well-formed record of the given state directories and records files, by time.
+
+    A record with a field of the wrong type or out of range (see :func:`malformed`)
+    is left out; ``skipped`` (when given) gets one line per record left out, saying why.
+
+    Raises:
+        OSError: a path that is neither a state directory nor a records file, or a
+            file that cannot be read (the message names it).
+    """
     records: list[dict[str, Any]] = []
     for path in map(Path, paths):
         if path.is_dir():
@@ -67,11 +77,179 @@ def load(paths: Iterable[str | os.PathLike[str]]) -> list[dict[str, Any]]:
         else:
             raise FileNotFoundError(f"{path}: no such state directory or records file")
         for f in files:
-            records += read_jsonl(f)
-    records = [r for r in records if isinstance(r.get("time"), (int, float))]
-    records.sort(key=lambda r: r["time"])
-    restarter_states(records)
-    return records
+            try:
+                records += read_jsonl(f)
+            except OSError as ex:
+                raise OSError(f"{f}: cannot read it ({ex.strerror or ex})") from None
+    good = []
+    for r in records:
+        problem = malformed(r)
+        if problem is None:
+            good.append(r)
+        elif skipped is not None:
+            skipped.append(problem)
+    good.sort(key=lambda r: r["time"])
+    restarter_states(good)
+    return good
+
+
+# --------------------------------------------------------------------------- checking
+
+#: the largest magnitude of a time or duration in a record (seconds: year 5138)
+_MAX_SECONDS = 1e11
+#: the largest count in a record (world sizes, ranks, steps, bytes)
+_MAX_INT = 2**53
+
+
+def _int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and -_MAX_INT <= v <= _MAX_INT
+
+
+def _count(v: Any) -> bool:
+    return _int(v) and v >= 0
+
+
+def _size(v: Any) -> bool:  # a world size: a loop runs over it
+    return _int(v) and 0 <= v <= 1_000_000
+
+
+def _num(v: Any) -> bool:
+    # (false for inf and nan; no float conversion, which overflows for a huge int)
+    return isinstance(v, int | float) and not isinstance(v, bool) and abs(v) <= _MAX_SECONDS
+
+
+def _str(v: Any) -> bool:
+    return isinstance(v, str)
+
+
+def _bool(v: Any) -> bool:
+    return isinstance(v, bool)
+
+
+def _key(v: Any) -> bool:  # a job, a call, a node: a dictionary key, printed as text
+    return v is None or isinstance(v, str) or _int(v)
+
+
+def _opt(check: Any) -> Any:
+    return lambda v: v is None or check(v)
+
+
+def _list_of(check: Any) -> Any:
+    return lambda v: isinstance(v, list) and all(check(x) for x in v)
+
+
+def _dict_of(check: Any) -> Any:
+    return lambda v: isinstance(v, dict) and all(
+        isinstance(k, str) and check(x) for k, x in v.items()
+    )
+
+
+def _fault(v: Any) -> bool:
+    return (
+        isinstance(v, dict)
+        and _int(v.get("initial_rank"))
+        and _opt(_int)(v.get("rank"))
+        and _opt(_str)(v.get("cause"))
+        and _opt(_str)(v.get("detail"))
+    )
+
+
+def _mismatch(v: Any) -> bool:
+    return isinstance(v, dict) and _opt(_int)(v.get("rank")) and _opt(_str)(v.get("key"))
+
+
+#: per record type: its fields and their checks (``None`` is allowed unless required)
+_REQUIRED = {"iteration": ("initial_rank",)}
+_FIELDS: dict[str, dict[str, Any]] = {
+    "iteration": {
+        "initial_rank": _int,
+        "iteration": _int,
+        "state": _str,
+        "outcome": _str,
+        "active": _bool,
+        "rank": _int,
+        "world_size": _size,
+        "pid": _int,
+        "node": _key,
+        "job": _key,
+        "call": _key,
+    },
+    "restart": {
+        "iteration": _int,
+        "world_size": _size,
+        "active_world_size": _size,
+        "previous_world_size": _size,
+        "faults": _list_of(_fault),
+        "terminated": _list_of(_int),
+        "activated": _list_of(_int),
+        "joined": _list_of(_int),
+        "phases": _dict_of(_num),
+        "latency": _num,
+        "back_at": _num,
+        "node": _key,
+        "job": _key,
+        "call": _key,
+    },
+    "restore": {
+        "iteration": _int,
+        "step": _int,
+        "redone_steps": _count,
+        "seconds": _num,
+        "bytes": _count,
+        "sources": _dict_of(_count),
+        "step_seconds": _num,
+        "verified": _bool,
+        "mismatch": _list_of(_mismatch),
+        "world_size": _size,
+        "job": _key,
+        "call": _key,
+    },
+    "event": {
+        "event": _str,
+        "generation": _int,
+        "node": _key,
+        "slot": _int,
+        "local_rank": _int,
+        "rank": _int,
+        "pid": _int,
+        "returncode": _int,
+        "signal": lambda v: _int(v) or _str(v),
+        "detail": _str,
+        "world_size": _size,
+        "target": _size,
+        "expected": _bool,
+    },
+    "restarter": {"iteration": _int, "state": _str, "stage": _str, "rank": _int},
+    "completed": {"iteration": _int, "world_size": _size, "job": _key, "call": _key},
+    "join": {
+        "iteration": _int,
+        "initial_rank": _int,
+        "process_start": _num,
+        "call_start": _num,
+        "monitor_ready": _num,
+        "join_request": _num,
+        "admitted": _num,
+        "monitor": _str,
+        "job": _key,
+        "call": _key,
+    },
+}
+
+
+def malformed(record: dict[str, Any]) -> str | None:
+    """Why ``record`` cannot be reported (a field of the wrong type or out of range), or
+    ``None``. Records of a type not known here need only a ``time``."""
+    kind = record.get("type")
+    if not _num(record.get("time")):
+        return f"{str(kind)[:20]!r} record: bad time {str(record.get('time'))[:40]!r}"
+    fields = _FIELDS.get(kind) if isinstance(kind, str) else None
+    for name, check in (fields or {}).items():
+        value = record.get(name)
+        if value is None and name not in _REQUIRED.get(kind, ()):
+            continue
+        if not check(value):
+            return f"{kind!r} record: bad {name} {str(value)[:40]!r}"
+    return None
 
 
 def restarter_states(records: Sequence[dict[str, Any]]) -> None:
@@ -264,6 +442,72 @@ def state_summary(records: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
     }
 
 
+#: the steps of a rejoin, each from the one before: the worker's loss (the controller's
+#: ``worker_exit``), its relaunch, its Wrapper call's start, its join request, its
+#: admission, and its first iteration at the new size (the admitting restart's ``back_at``)
+REJOIN_STEPS = ("relaunched", "call_started", "join_requested", "admitted", "training")
+
+
+def rejoins(records: Sequence[dict[str, Any]]) -> list[dict[str, float]]:
+    """Per ``join`` record, the seconds of each of :data:`REJOIN_STEPS` and ``total``
+    (loss to training); a step whose records are missing (no controller: no
+    ``worker_exit``) is left out, and ``total`` then starts at the first step known."""
+    events = [r for r in records if r.get("type") == "event"]
+    result = []
+    for j in (r for r in records if r.get("type") == "join"):
+        rank, call_start = j.get("initial_rank"), j.get("call_start")
+        if call_start is None:
+            continue
+        # the loss: the rank's latest worker exit before the call; its relaunch: the
+        # first relaunch after that (the event is written once the process runs, at
+        # times after the script began: the step is then counted as 0)
+        lost = max(
+            (
+                e["time"]
+                for e in events
+                if e.get("event") == "worker_exit"
+                and e.get("rank") == rank
+                and e["time"] <= call_start
+            ),
+            default=None,
+        )
+        relaunch = None
+        if lost is not None:
+            relaunch = min(
+                (
+                    e["time"]
+                    for e in events
+                    if e.get("event") == "worker_relaunch"
+                    and e.get("rank") == rank
+                    and e["time"] >= lost
+                ),
+                default=None,
+            )
+            if relaunch is not None:
+                relaunch = min(relaunch, call_start)
+        back = min(
+            (
+                r["back_at"]
+                for r in records
+                if r.get("type") == "restart"
+                and r.get("iteration") == j.get("iteration")
+                and rank in (r.get("joined") or ())
+                and r.get("back_at") is not None
+            ),
+            default=None,
+        )
+        times = (lost, relaunch, call_start, j.get("join_request"), j.get("admitted"), back)
+        steps = {
+            name: times[i + 1] - times[i]
+            for i, name in enumerate(REJOIN_STEPS)
+            if times[i] is not None and times[i + 1] is not None
+        }
+        known = [t for t in times if t is not None]
+        steps["total"] = known[-1] - known[0]
+        result.append(steps)
+    return result
+
+
 def summarize(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The report's numbers (see the module docstring for their definitions)."""
     restarts = [r for r in records if r.get("type") == "restart"]
@@ -324,6 +568,7 @@ def summarize(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "goodput": training / wall if wall > 0 else None,
         "restarts": len(restarts),
         "admissions": admissions,
+        "rejoins": rejoins(records),
         "faults_by_kind": dict(faults_by_kind),
         "latency": {
             "median": percentile(latencies, 50),
@@ -422,6 +667,26 @@ def _restore_lines(state: dict[str, Any] | None) -> list[str]:
     return lines
 
 
+def _rejoin_rows(joins: list[dict[str, float]]) -> list[tuple[str, str]]:
+    """Rows of the rejoins: how many, loss to training again, and each step (medians)."""
+    if not joins:
+        return []
+    totals = [j["total"] for j in joins]
+    steps = []
+    for name in REJOIN_STEPS:
+        values = [j[name] for j in joins if name in j]
+        if values:
+            steps.append(f"{name.replace('_', ' ')} {_seconds(percentile(values, 50))}")
+    return [
+        (
+            "rejoins",
+            f"{len(joins)}: lost to training again median {_seconds(percentile(totals, 50))}, "
+            f"max {_seconds(max(totals))}",
+        ),
+        ("  median steps", ", ".join(steps)),
+    ]
+
+
 def format_summary(s: dict[str, Any]) -> str:
     """The summary as a table for the terminal."""
     rows: list[tuple[str, str]] = []
@@ -477,6 +742,7 @@ def format_summary(s: dict[str, Any]) -> str:
     )
     rows += [
         ("failed worker exits", str(s["worker_exits"])),
+        *_rejoin_rows(s.get("rejoins") or []),
         ("worker relaunches", str(s["worker_relaunches"])),
         ("node relaunches", str(s["node_relaunches"])),
         ("cold restarts", str(s["cold_restarts"])),
@@ -755,13 +1021,20 @@ def main(argv: list[str] | None = None, prog: str = "python -m inprocess.report"
     p.add_argument("--plot", metavar="FILE.png", help="draw the timeline to this PNG file")
     p.add_argument("--json", action="store_true", help="print the numbers as JSON")
     args = p.parse_args(argv)
+    skipped: list[str] = []
     try:
-        records = load(args.paths)
-    except FileNotFoundError as ex:
-        print(f"{prog}: {ex}", file=sys.stderr)
+        records = load(args.paths, skipped)
+    except OSError as ex:
+        print(f"{prog}: {printable(str(ex))}", file=sys.stderr)
         return 2
+    if skipped:
+        print(
+            f"{prog}: warning: skipped {len(skipped)} malformed record(s); the first: "
+            f"{printable(skipped[0])}",
+            file=sys.stderr,
+        )
     if not records:
-        print(f"{prog}: no records in {', '.join(args.paths)}", file=sys.stderr)
+        print(f"{prog}: no records in {printable(', '.join(args.paths))}", file=sys.stderr)
         return 1
     summary = summarize(records)
     # every incident in words (see inprocess.incidents), after the totals
@@ -770,14 +1043,24 @@ def main(argv: list[str] | None = None, prog: str = "python -m inprocess.report"
         if args.json:
             print(json.dumps(summary, indent=2))
         else:
-            print(format_summary(summary))
-            print(_incidents.format_incidents(summary["incidents"], _job_start(records)))
+            # what came from workers (their exceptions' text) is escaped: no terminal
+            # escape sequence of theirs reaches the reader's terminal
+            print(printable(format_summary(summary), lines=True))
+            text = _incidents.format_incidents(summary["incidents"], _job_start(records))
+            print(printable(text, lines=True))
         if args.plot:
             try:
                 plot(records, args.plot, title_of(summary))
             except ImportError as ex:
                 print(f"{prog}: {ex}", file=sys.stderr)
                 return 3
+            except OSError as ex:
+                print(
+                    f"{prog}: --plot {printable(args.plot)}: cannot write it "
+                    f"({ex.strerror or ex})",
+                    file=sys.stderr,
+                )
+                return 2
             print(f"timeline: {args.plot}")
         sys.stdout.flush()
     except BrokenPipeError:

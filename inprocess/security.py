@@ -45,9 +45,29 @@ JOB_SECRET_ENV = "INPROCESS_JOB_SECRET"
 WILDCARD_HOSTS = ("", "0.0.0.0", "::")
 
 
+#: shortest secret accepted (characters): a shorter one is guessed by trying them all
+#: against a listed key's tag; ``inprocess-run`` generates 64 hex characters
+MIN_SECRET_LENGTH = 16
+
+
 def job_secret() -> str | None:
     """The job's secret, or ``None`` when none was given."""
     return os.environ.get(JOB_SECRET_ENV) or None
+
+
+def check_job_secret() -> None:
+    """Refuses a job secret too short to keep strangers out (unset or empty: none).
+
+    Raises:
+        ValueError: naming :data:`JOB_SECRET_ENV` and the minimum.
+    """
+    secret = job_secret()
+    if secret is not None and len(secret) < MIN_SECRET_LENGTH:
+        raise ValueError(
+            f"{JOB_SECRET_ENV} must be at least {MIN_SECRET_LENGTH} characters (random ones, "
+            f"e.g. `python -c 'import secrets; print(secrets.token_hex(32))'`), got "
+            f"{len(secret)}; unset it and inprocess-run generates one"
+        )
 
 
 #: characters of a record's MAC (base64 of 96 bits of HMAC-SHA256)
@@ -71,6 +91,18 @@ def _mac_key(secret: str | None) -> bytes:
 def _mac(key: bytes, name: str, text: str) -> str:
     digest = hmac.digest(key, name.encode() + b"\0" + text.encode(), "sha256")[:12]
     return base64.urlsafe_b64encode(digest).decode()
+
+
+def mac(name: str, text: str, secret: str | None = None) -> str:
+    """The MAC of ``text`` under the job's secret, bound to ``name`` (what the text is).
+
+    For what the job writes outside the store and must recognize as its own
+    when it reads it back (a snapshot's completion marker on disk): 96 bits of
+    HMAC-SHA256, as a record's. Without a secret the key is public, as for
+    records: it tells well-formed text from damaged text, not its origin.
+    Compare with :func:`hmac.compare_digest`.
+    """
+    return _mac(_mac_key(secret if secret is not None else job_secret()), name, text)
 
 
 def seal(name: str, text: str, secret: str | None = None) -> str:

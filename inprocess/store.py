@@ -60,17 +60,19 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import json
 import logging
 import os
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from errno import EADDRINUSE
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
 from . import protocol as P
+from . import quiet_wait
 from .exception import StoreError
 from .exception import TimeoutError as RestartTimeoutError
 from .security import bound_port, keyed_namespace, listen_fd, open_records, reject, seal
@@ -86,9 +88,10 @@ COUNTED_WAIT = 1.0
 #: Waiters are woken by the store when what they wait for changes
 #: (:meth:`StoreMixin.wake_waiters`); a chunk only bounds a wake-up that a stranger
 #: forged or a dying writer lost, and how long the thread stays in native code
-#: (signals, ``on_wait``). torch logs a warning for every wait that times out, so
-#: chunks start at 2 s and double (a rank early at the initial barrier, waiting for
-#: slow starters, logs a few lines, not one every 2 s).
+#: (signals, ``on_wait``). Chunks start at 2 s and double: each end of a chunk costs
+#: the waiter a look at the store (its request stands, see :mod:`inprocess.quiet_wait`,
+#: so a chunk's end prints nothing), and a rank early at the initial barrier,
+#: waiting for slow starters, looks a few times, not once every 2 s.
 #: A store's ``wait_chunk_max`` caps the doubling: the Wrapper sets it to a
 #: quarter of its ``hard_timeout``, because a main thread blocked in the store's
 #: wait runs no bytecode, and its hard clock runs on meanwhile (see
@@ -220,6 +223,20 @@ def key_path(store: Any, key: str) -> str:
         parts.append(store.prefix)
         store = store.base_store
     return "/".join(reversed(parts))
+
+
+def _served_name(store: Any, key: str) -> tuple[dist.TCPStore, str] | None:
+    """(the ``TCPStore`` under ``store``, the key's full name on its server) where
+    ``store`` is a view of a ``TCPStore`` whose prefixes are all known; ``None``
+    otherwise."""
+    parts = [key]
+    while isinstance(store, PrefixStore):
+        parts.append(store.prefix)
+        store = store.base_store
+    if not isinstance(store, dist.TCPStore):
+        return None
+    # torch's TCPStore puts "/" before every key, and a PrefixStore "<prefix>/"
+    return store, "/" + "/".join(reversed(parts))
 
 
 def waits_in_server(store: Any) -> bool:
@@ -555,6 +572,10 @@ class StoreMixin:
     def join_requests(self) -> list[str]:
         return self.identities(P.JOIN_REQUESTS)
 
+    def join_requested_since(self, count: int) -> bool:
+        """Whether a fault after the first ``count`` of the fault log is a join request."""
+        return any(e["reason"] == "join request" for e in self.fault_log()[count:])
+
     # ------------------------------------------------------------------ heartbeats
 
     def send_node_heartbeat(self, node: str, identities: Sequence[str]) -> int:
@@ -834,8 +855,17 @@ class StoreMixin:
         """Blocks until ``key`` exists or ``seconds`` passed; returns whether it exists.
 
         The store wakes the waiter when the key is set (one round trip, no
-        polling). A store that cannot be reached raises.
+        polling). A store that cannot be reached raises. On a ``TCPStore`` the
+        wait goes over this thread's connection of its own
+        (:mod:`inprocess.quiet_wait`): torch's client would print two warnings
+        for every wait that ends without its key, and a chunk that ends so
+        leaves the request standing for the next chunk of the same wait.
         """
+        served = _served_name(self, key)
+        if served is not None:
+            woke = quiet_wait.wait(*served, seconds)
+            if woke is not None:
+                return woke
         try:
             self.wait([key], datetime.timedelta(seconds=max(seconds, 0.001)))
             return True
@@ -1017,6 +1047,51 @@ class StoreMixin:
         self.counted_barrier(f"{prefix}/barrier", identity, count, timeout, poll_limit)
         return list(self.by_identity(f"{prefix}/lines").values())
 
+    # ------------------------------------------------------------------ state and key exchange
+
+    def send_state(self, state: Any, rank: int) -> None:
+        """Publishes rank ``rank``'s state for :meth:`get_states`: its plain fields (rank,
+        world sizes, initial rank, iteration, mode, active rank), not the store or the
+        exception. The exchange the newer generation's rank assignments use."""
+        fields = {name: getattr(state, name) for name in _STATE_FIELDS}
+        fields["mode"] = state.mode.value
+        self.put(f"inprocess/exchange/state/{rank}", json.dumps(fields))
+
+    def get_states(self, ranks: Iterable[int]) -> list[Any]:
+        """The states that ``ranks`` sent (:meth:`send_state`), in that order, as
+        :class:`inprocess.state.State`; waits for them at most the store's timeout."""
+        from .state import Mode, State
+
+        states = []
+        for text in self._gathered("state", ranks):
+            fields = json.loads(text)
+            fields["mode"] = Mode(fields["mode"])
+            states.append(State(**fields))
+        return states
+
+    def send_key(self, key: Any, rank: int) -> None:
+        """Publishes rank ``rank``'s grouping key (JSON: a string, a number, a list of
+        them; anything else as its ``str``) for :meth:`get_keys`."""
+        self.put(f"inprocess/exchange/key/{rank}", json.dumps(key, default=str))
+
+    def get_keys(self, ranks: Iterable[int]) -> list[Any]:
+        """The keys that ``ranks`` sent (:meth:`send_key`), in that order; waits for them
+        at most the store's timeout."""
+        return [json.loads(text) for text in self._gathered("key", ranks)]
+
+    def _gathered(self, kind: str, ranks: Iterable[int]) -> list[str]:
+        keys = [f"inprocess/exchange/{kind}/{rank}" for rank in ranks]
+        if not keys:
+            return []
+        values = []
+        # multi_get waits until every key exists (at most the store's timeout).
+        for key, raw in zip(keys, self.multi_get(keys), strict=True):
+            found = self.decode_entries(key, raw)
+            if not found:
+                raise StoreError(f"{key!r} holds no authentic record")
+            values.append(found[0])
+        return values
+
     def wait_for_key(
         self,
         key: str,
@@ -1044,6 +1119,18 @@ class StoreMixin:
             waiter.wait()
             if on_wait is not None:
                 on_wait()
+
+
+#: the fields of a state that :meth:`StoreMixin.send_state` sends (with ``mode``)
+_STATE_FIELDS = (
+    "rank",
+    "world_size",
+    "active_world_size",
+    "initial_rank",
+    "initial_world_size",
+    "iteration",
+    "active_rank",
+)
 
 
 @dataclasses.dataclass(frozen=True)

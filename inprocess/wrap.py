@@ -46,11 +46,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed
 
+from . import device_fault, protocol
 from . import generation as _gen
 from . import monitor_thread as _mt
 from . import node as _node
-from . import protocol
 from . import records as _records
+from . import security as _security
 from .abort import Abort, AbortTorchDistributed
 from .abort.rendezvous import (
     complete_stranded_gloo_init,
@@ -190,22 +191,31 @@ class Wrapper:
             ``heartbeat_timeout``, at least ``monitor_process_interval``).
         barrier_timeout: timeout of the restart procedure's barriers.
         completion_timeout: how long finished ranks wait for the others.
-        last_call_wait: collects concurrent faults before interrupting.
+        last_call_wait: collects concurrent faults before interrupting (a join
+            request among them ends it at once: the joiner is admitted then).
         termination_grace_time: time between SIGTERM and SIGKILL on a hard timeout.
         monitor_process_logfile: absolute path of the monitor process's log file,
             may contain ``{rank}`` (the initial rank).
         enabled: ``False`` returns the function untouched.
-        monitor_process_pidfile: absolute path of a file holding the monitor
-            process's pid while it runs, may contain ``{rank}``.
+        monitor_process_pidfile: absolute path of a file the monitor process's
+            pid is written to (decimal) when it starts, may contain ``{rank}``;
+            the file is left in place after the call returns.
         completion: runs on every rank still in the job once the call completed.
         terminate: runs on a rank whose call ends with an exception.
         records: file that restart records are appended to as JSON lines
             (:mod:`inprocess.records`); ``None``: the file named by the
             ``INPROCESS_RECORDS`` environment variable, if set, else none.
         snapshot_dir: directory that :meth:`CallWrapper.commit` persists snapshots
-            to and :meth:`CallWrapper.restore` falls back to (a cold restart).
+            to and :meth:`CallWrapper.restore` falls back to (a cold restart);
+            it must be this user's and not writable by group or others
+            (created with mode 0700 when missing), else it is refused.
         persist_every: persist the snapshots of steps that are multiples of
             this (asynchronously); needs ``snapshot_dir``; ``None``: never.
+        snapshot_staging: whether :meth:`CallWrapper.commit` copies CUDA state
+            to a staging buffer on the device first, so that training waits
+            only for that device copy, not for the copy to host memory
+            (``None``: where the device has room for it; ``False``: the
+            optimizer step waits for the host copy instead).
         unwind_timeout: once a restart has begun (the restart exception sent,
             the abort run), a rank whose main thread has not come back to the
             Wrapper for this long while idle in the kernel
@@ -251,6 +261,7 @@ class Wrapper:
         records: str | os.PathLike[str] | None = None,
         snapshot_dir: str | os.PathLike[str] | None = None,
         persist_every: int | None = None,
+        snapshot_staging: bool | None = None,
     ) -> None:
         if abort is _UNSET:
             abort = AbortTorchDistributed()
@@ -259,7 +270,7 @@ class Wrapper:
         arguments = dict(locals())
         del arguments["self"]
         self.config = WrapperConfig.from_arguments(**arguments)
-        #: the check after a fault: NVLink, GPU (and NIC) checks of the rank's device
+        #: the check after a fault: GPU, NVLink and NIC checks of the rank's device
         #: (``LOCAL_RANK``), then the user's ``health_check``; None without LOCAL_RANK
         self.restart_health_check = (
             _restart_health_check(self.config.health_check) if self.config.enabled else None
@@ -291,10 +302,12 @@ class Wrapper:
 
 
 def _restart_health_check(user: Any) -> Compose | None:
-    """``Compose(user..., [nic], gpu, nvl)``: runs NVLink, GPU, NIC, then the user's check.
+    """``Compose(user..., nic, nvl, gpu)``: runs GPU, NVLink, NIC, then the user's check.
 
-    The NIC check is included where the node has InfiniBand port counters.
-    (The chained classes are looked up here, in this module, when a Wrapper is built.)
+    The chained classes are looked up in this module when a Wrapper is built
+    (a caller may replace them here), and each is built as ``cls(device_index=...)``.
+    The NIC check is always in the chain; where the node has no InfiniBand
+    counters it passes and says so.
     """
     local_rank = env_local_rank()
     if local_rank is None:
@@ -302,11 +315,10 @@ def _restart_health_check(user: Any) -> Compose | None:
     checks: list[Any] = []
     if user is not None:
         checks += user.instances if isinstance(user, Compose) else [user]
-    nic = ChainedNicHealthCheck(device_index=local_rank)
-    if nic.has_ports():
-        checks.append(nic)
-    checks.append(ChainedGPUHealthCheck(device_index=local_rank))
+    # Compose runs the last listed first: GPU, NVLink, NIC, then the user's.
+    checks.append(ChainedNicHealthCheck(device_index=local_rank))
     checks.append(ChainedNVLHealthCheck(device_index=local_rank))
+    checks.append(ChainedGPUHealthCheck(device_index=local_rank))
     return Compose(*checks)
 
 
@@ -557,6 +569,9 @@ class CallWrapper:
                 "initialized again on every restart); call "
                 "torch.distributed.destroy_process_group() before calling it"
             )
+        # every process of the job keys the store with it: refuse a guessable one
+        # before anything is started (ValueError naming INPROCESS_JOB_SECRET)
+        _security.check_job_secret()
         _warn_if_logging_is_off()
         try:
             return self._run(fn, args, kwargs)
@@ -623,6 +638,7 @@ class CallWrapper:
     # ---------------------------------------------------------------- setup / teardown
 
     def _start(self, cleanup: contextlib.ExitStack) -> None:
+        self._call_started = time.time()
         c = self._config
         role, call = protocol.role_namespace(job_namespace()), next(_call_counter)
         self.namespace = protocol.call_namespace(role, call)
@@ -644,7 +660,7 @@ class CallWrapper:
         )
         from .snapshot import Snapshots
 
-        self._snapshots = Snapshots(c.snapshot_dir, c.persist_every)
+        self._snapshots = Snapshots(c.snapshot_dir, c.persist_every, c.snapshot_staging)
         cleanup.callback(self._snapshots.close)
 
         board = ProgressBoard()
@@ -685,19 +701,25 @@ class CallWrapper:
             board,
             doorbell.write_fd,
         )
-        monitor.start(timeout=c.barrier_timeout)
+        beat = functools.partial(_node.beat_for, self.store, node, group)
+        # Where the fork is not safe (CUDA initialized, other threads), the monitor
+        # is a fresh interpreter that imports torch: seconds the rank does not
+        # wait for (see MonitorProcess.start).
+        monitor_ready = monitor.start(timeout=c.barrier_timeout, wait=False, send_heartbeat=beat)
         cleanup.callback(monitor.shutdown)
+        if not monitor_ready:
+            # Invariant: a rank is placed before its first barrier (its peers watch
+            # its node from then on); its monitor places it once connected.
+            self.store.place(self.identity, node)
         # A monitor process that dies is replaced, not mistaken for this rank's death.
         monitor.keep_alive(
-            timeout=c.barrier_timeout,
-            on_restart=self._monitor_restarted,
-            send_heartbeat=functools.partial(_node.beat_for, self.store, node, group),
+            timeout=c.barrier_timeout, on_restart=self._monitor_restarted, send_heartbeat=beat
         )
         self._monitor_process = monitor
         if c.monitor_process_pidfile is not None:
-            cleanup.callback(
-                _write_pidfile(c.monitor_process_pidfile, self.state.initial_rank, monitor)
-            )
+            # Left in place when the call ends (as the newer generations do); the
+            # next call, or a replacement monitor process, writes it again.
+            _write_pidfile(c.monitor_process_pidfile, self.state.initial_rank, monitor)
 
         on_main_thread = threading.current_thread() is threading.main_thread()
         self._watchdog = ProgressWatchdog(
@@ -1358,7 +1380,7 @@ class CallWrapper:
     def _health_check(self, ex: BaseException | None) -> None:
         """The check after a fault: failing it ends this rank with a ``HealthCheckError``
         whose ``__cause__`` is ``ex``, the exception that ended the function here.
-        With ``LOCAL_RANK`` set, the device checks run first (NVLink, GPU, NIC),
+        With ``LOCAL_RANK`` set, the device checks run first (GPU, NVLink, NIC),
         then the user's (``Wrapper.restart_health_check``)."""
         check = self.wrapper.restart_health_check or self._config.health_check
         if check is None:
@@ -1367,7 +1389,12 @@ class CallWrapper:
             result = _gen.invoke(check, self._config.generation, self.state, ex)
             self.state = _returned_state(result, self.state)
         except Exception as failure:
-            self._terminate_self(f"health check failed: {failure!r}")
+            gpu = device_fault.cause_of(failure)
+            if gpu is not None:
+                # this process's CUDA context is gone: it must end without freeing CUDA memory
+                device_fault.mark_broken(gpu)
+            reason = f"GPU fault ({gpu}): " if gpu is not None else ""
+            self._terminate_self(f"health check failed: {reason}{failure!r}")
             if isinstance(failure, HealthCheckError) and failure.__cause__ in (None, ex):
                 raise failure from ex
             raise HealthCheckError(
@@ -1414,6 +1441,7 @@ class CallWrapper:
         """Asks to join and waits for the termination barrier that admits this rank."""
         store = self.store
         store.request_join(self.identity)
+        requested = time.time()
         log.info("%s: asked to join the running job", self.identity)
         # Blocks on the call's wake-ups: a termination barrier's decision and an
         # iteration's outcome (the job completing) both wake it. The wake-up
@@ -1434,6 +1462,7 @@ class CallWrapper:
                     members = store.membership()
                     if members is None or members[0] != iteration:
                         raise InternalError(f"no membership published for iteration {iteration}")
+                    self._record_join(iteration, requested)
                     return (
                         protocol.Roster(members[1]),
                         set(decision.terminated),
@@ -1451,6 +1480,27 @@ class CallWrapper:
             # key) costs the next wait a pause first: never a busy loop
             waiter.wait()
         raise InternalError(f"{self.identity}: not admitted to the running job in time")
+
+    def _record_join(self, iteration: int, requested: float) -> None:
+        """The ``join`` record of this rank's admission (see :meth:`Recorder.joined`)."""
+        if not self._records.enabled:
+            return
+        import psutil
+
+        monitor = self._monitor_process
+        try:
+            created: float | None = psutil.Process().create_time()
+        except psutil.Error:
+            created = None
+        timeline = {
+            "process_start": created,
+            "call_start": self._call_started,
+            "monitor_ready": monitor.ready_at if monitor is not None else None,
+            "join_request": requested,
+            "admitted": time.time(),
+        }
+        kind = "forked" if monitor is not None and monitor.forked else "spawned"
+        self._records.joined(iteration, timeline, kind)
 
     # ---------------------------------------------------------------- completion
 
@@ -1573,24 +1623,13 @@ def _clear_frames(ex: BaseException, prefixes: tuple[str, ...]) -> None:
         pending += [current.__cause__, current.__context__]
 
 
-def _write_pidfile(template: str, rank: int, monitor: MonitorProcess) -> Callable[[], None]:
-    """Writes the monitor process's pid (atomically); returns what removes the file."""
+def _write_pidfile(template: str, rank: int, monitor: MonitorProcess) -> None:
+    """Writes the monitor process's pid (decimal, atomically) to the rank's pidfile."""
     path = template.format(rank=rank)
-    pid = monitor.process.pid
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
-        f.write(f"{pid}\n")
+        f.write(f"{monitor.process.pid}\n")
     os.replace(tmp, path)
-
-    def remove() -> None:
-        with contextlib.suppress(OSError):
-            with open(path) as f:
-                # this call's monitor, or its replacement (MonitorProcess.keep_alive)
-                if f.read().strip() not in (str(pid), str(monitor.last_pid)):
-                    return  # another call's monitor now
-            os.unlink(path)
-
-    return remove
 
 
 def _td(seconds: float) -> datetime.timedelta:

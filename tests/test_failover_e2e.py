@@ -39,7 +39,7 @@ class Launch:
     With the launcher's default of a warm standby per node: the node's zygote
     then imports torch once for its store server, workers and standbys."""
 
-    def __init__(self, tmp: Path, *flags: str, script: Path = TRAIN, script_args=()):
+    def __init__(self, tmp: Path, *flags: str, script: Path = TRAIN, script_args=(), env=None):
         self.state_dir = tmp / "state"
         self.out = tmp / "out"
         # examples/train.py ends at the next step, on every rank, once this file exists
@@ -67,7 +67,7 @@ class Launch:
                 str(self.out),
                 *script_args,
             ],
-            env=ENV,
+            env=ENV if env is None else env,
             stdout=self.log,
             stderr=subprocess.STDOUT,
             start_new_session=True,

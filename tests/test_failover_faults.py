@@ -65,7 +65,8 @@ def test_flag_errors_name_the_flag_and_leave_nothing(tmp_path):
     (state_dir / "logs").unlink()
     # larger than the machine can hold: refused at once, by name
     line = _one_line_error(
-        _cli("--state-dir", str(state_dir), "--nproc-per-node", "100000"), "--nproc-per-node"
+        _cli("--state-dir", str(state_dir), "--nproc-per-node", str(cli.local_capacity() + 1)),
+        "--nproc-per-node",
     )
     assert str(cli.local_capacity()) in line
     assert list(state_dir.iterdir()) == []

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from test_monitor_thread import HashStore, make_monitor, spin
 
 from inprocess import protocol as P
+from inprocess import quiet_wait
 from inprocess.monitor_thread import RankShouldRestart
 from inprocess.progress_watchdog import Doorbell, ProgressBoard
 from inprocess.store import FileStore, PrefixStore
@@ -48,6 +49,14 @@ class CountingStore(PrefixStore):
     def wait(self, *args):
         self.ops += 1
         return super().wait(*args)
+
+    def wait_for(self, *args):
+        # a blocking wait goes over the thread's own connection (inprocess.quiet_wait)
+        sent = quiet_wait.requests_sent()
+        try:
+            return super().wait_for(*args)
+        finally:
+            self.ops += quiet_wait.requests_sent() - sent
 
 
 class Watch:

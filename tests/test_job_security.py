@@ -84,9 +84,9 @@ def test_namespace_is_keyed_with_the_secret(monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "r1")
     monkeypatch.delenv("INPROCESS_JOB_SECRET", raising=False)
     plain = job_namespace()
-    monkeypatch.setenv("INPROCESS_JOB_SECRET", "a")
+    monkeypatch.setenv("INPROCESS_JOB_SECRET", "a" * 16)
     keyed_a = job_namespace()
-    monkeypatch.setenv("INPROCESS_JOB_SECRET", "b")
+    monkeypatch.setenv("INPROCESS_JOB_SECRET", "b" * 16)
     assert len({plain, keyed_a, job_namespace()}) == 3
     assert keyed_a.startswith(plain + "/") and len(keyed_a) - len(plain) == 33
 

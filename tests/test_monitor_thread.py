@@ -252,6 +252,45 @@ def test_a_rank_that_reaches_the_completion_barrier_while_the_monitor_waits(comp
         monitor.shutdown()
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("watch", [True, False], ids=["fault-watch", "no-watch"])
+def test_a_join_request_ends_the_last_call_wait(watch):
+    """A fault waits ``last_call_wait`` (here 30 s) for concurrent ones, unless a join
+    request is among the faults: the joiner is admitted by this restart, at once.
+    With a fault watch the request may come during the wait (the watch's new count
+    rings the doorbell); without one, the request is seen when the wait begins."""
+    from inprocess.progress_watchdog import Doorbell
+
+    store = HashStore()
+    seen: list[int | None] = [store.fault_count() if watch else None]
+    doorbell = Doorbell()
+    monitor, _lock, aborted = make_monitor(
+        store, last_call_wait=30.0, interval=1.0, faults_seen=lambda: seen[0], doorbell=doorbell
+    )
+    try:
+        armed = monitor.arm(0, store.fault_count(), state=None)
+        start = time.monotonic()
+        with pytest.raises(RankShouldRestart):
+            if watch:
+                store.record_fault("1/x", "process died")  # a death: the wait begins
+                seen[0] = store.fault_count()
+                doorbell.ring()
+                time.sleep(0.3)
+                assert not aborted  # still waiting for concurrent faults
+            store.request_join("1/y")  # the replacement
+            if watch:
+                seen[0] = store.fault_count()
+                doorbell.ring()
+            spin(20)
+        assert time.monotonic() - start < 15, "the join request did not end the wait"
+        armed.acked = True
+        assert aborted
+    finally:
+        monitor.disarm()
+        monitor.shutdown()
+        doorbell.close()
+
+
 def test_monitor_keeps_raising_until_acknowledged():
     store = HashStore()
     monitor, _lock, _ = make_monitor(store)

@@ -66,13 +66,13 @@ def test_node_names_come_from_the_environment_and_are_checked(monkeypatch):
 
 
 def test_a_group_beats_under_a_name_of_its_own(tcp, tmp_path, monkeypatch):
-    """Ranks of one node with different temporary directories form two groups: each
+    """Ranks of one node with different private directories form two groups: each
     beats apart (one group's beats never hide the other's silence)."""
     store, _ = tcp
     first, name = node.group_of(NS, "n0", store)
     assert name.startswith("n0.") and P.valid_name(name)
     assert name == node.group_of(NS, "n0", store)[1]
-    monkeypatch.setattr(node.tempfile, "gettempdir", lambda: "/var/tmp")
+    monkeypatch.setattr(node, "user_dir", lambda base=None: "/var/tmp/inprocess-x")
     second, other = node.group_of(NS, "n0", store)
     assert second != first and other != name
 

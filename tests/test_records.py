@@ -326,3 +326,41 @@ def test_restart_that_admits_a_joiner_is_not_a_fault():
     # without a join request, a derived error is still reported (nothing better known)
     faults, joined, _ = R.faults_of(entries[1:], ["0/0.a", "2/0.c"])
     assert [f["cause"] for f in faults] == ["connection"] and joined == []
+
+
+def test_report_puts_a_rejoin_together_from_join_records_and_controller_events():
+    """A ``join`` record with the controller's exit and relaunch of its rank and the
+    restart that admitted it: each step of the rejoin, and its row in the summary. A
+    relaunch event written after the script began counts as a step of 0."""
+    t = 1000.0
+    event = {"type": "event", "rank": 2}
+    records = [
+        {**event, "time": t, "event": "worker_exit", "signal": 9},
+        {**event, "time": t + 0.5, "event": "worker_relaunch"},  # recorded late
+        {
+            "type": "join",
+            "time": t + 0.9,
+            "iteration": 3,
+            "initial_rank": 2,
+            "process_start": t - 5,
+            "call_start": t + 0.3,
+            "monitor_ready": None,
+            "join_request": t + 0.6,
+            "admitted": t + 0.9,
+            "monitor": "spawned",
+        },
+        {"type": "restart", "time": t + 0.8, "iteration": 3, "joined": [2], "back_at": t + 1.0},
+    ]
+    assert all(report.malformed(r) is None for r in records)
+    (steps,) = report.rejoins(records)
+    expected = {
+        "relaunched": 0.3,
+        "call_started": 0.0,
+        "join_requested": 0.3,
+        "admitted": 0.3,
+        "training": 0.1,
+        "total": 1.0,
+    }
+    assert steps == pytest.approx(expected)
+    text = report.format_summary(report.summarize(records))
+    assert "rejoins" in text and "lost to training again median 1.00 s" in text, text

@@ -135,22 +135,23 @@ def test_restart_checks_run_in_the_documented_order(monkeypatch, tmp_path, state
         "User",
         "User",
         "ChainedNicHealthCheck",
-        "ChainedGPUHealthCheck",
         "ChainedNVLHealthCheck",
+        "ChainedGPUHealthCheck",
     ]
     assert chained(state) is state
     assert order == [
-        "ChainedNVLHealthCheck",
         "ChainedGPUHealthCheck",
+        "ChainedNVLHealthCheck",
         "ChainedNicHealthCheck",
         "user2",
         "user1",
     ]
     assert generation_of("health_check", restart_health_checks()) is None  # fits either
-    # The NIC check only where the node has InfiniBand counters (none here).
+    # The NIC check is in the chain even where the node has no InfiniBand
+    # counters (it passes there); nic=False leaves it out.
     monkeypatch.setattr(restart, "IB_SYSFS", str(tmp_path / "none"))
     monkeypatch.setattr(ChainedNicHealthCheck.__init__, "__defaults__", (None, str(tmp_path)))
-    assert len(restart_health_checks().instances) == 2
+    assert len(restart_health_checks().instances) == 3
     assert len(restart_health_checks(nic=False).instances) == 2
     for bad in (-1, "0", True):
         with pytest.raises(ValueError, match="device_index"):
@@ -195,13 +196,95 @@ def test_wrapper_runs_them_before_the_users_check_and_a_gpu_failure_ends_the_ran
     with pytest.raises(HealthCheckError, match="GPU 0 is unhealthy") as info:
         wrapper(train)()
     assert isinstance(info.value.__cause__, ValueError)
-    # the first iteration's check is the user's alone; after a fault: NVLink, GPU,
-    # (NIC where the node has InfiniBand counters), then the user's
+    # the first iteration's check is the user's alone; after a fault: GPU,
+    # NVLink, NIC, then the user's
     assert order[0] == "user", order
-    restart_checks = [x for x in order[1:] if x != "nic"][:3]
-    assert restart_checks == ["nvlink", "gpu", "user"], order
-    assert order[-2:] == ["nvlink", "gpu"], order
+    assert order[1:5] == ["gpu", "nvlink", "nic", "user"], order
+    assert order[-1] == "gpu", order
     assert type(wrapper.restart_health_check.instances[0]).__name__ == "UserCheck"
 
     monkeypatch.delenv("LOCAL_RANK")
     assert inprocess.Wrapper(**fast).restart_health_check is None
+
+
+class StandIn:
+    """A chained check replaced in the Wrapper's module: only device_index and __call__."""
+
+    built: list[tuple[str, int]] = []
+    ran: list[str] = []
+
+    def __init__(self, device_index):
+        self.device_index = device_index
+        StandIn.built.append((type(self).__name__, device_index))
+
+    def __call__(self, state):
+        StandIn.ran.append(type(self).__name__)
+        return state
+
+
+class FakeGPU(StandIn):
+    pass
+
+
+class FakeNVL(StandIn):
+    pass
+
+
+class FakeNic(StandIn):
+    pass
+
+
+def test_the_wrappers_chain_is_built_from_the_names_in_its_module(monkeypatch, state):
+    import inprocess.wrap
+
+    StandIn.built.clear()
+    StandIn.ran.clear()
+    monkeypatch.setattr(inprocess.wrap, "ChainedGPUHealthCheck", FakeGPU)
+    monkeypatch.setattr(inprocess.wrap, "ChainedNVLHealthCheck", FakeNVL)
+    monkeypatch.setattr(inprocess.wrap, "ChainedNicHealthCheck", FakeNic)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+
+    class User(inprocess.health_check.HealthCheck):
+        def __init__(self, name):
+            self.name = name
+
+        def __call__(self, state):
+            StandIn.ran.append(self.name)
+            return state
+
+    plain = inprocess.Wrapper()
+    assert isinstance(plain.restart_health_check, inprocess.Compose)
+    assert [type(c) for c in plain.restart_health_check.instances] == [FakeNic, FakeNVL, FakeGPU]
+    assert sorted(StandIn.built) == [("FakeGPU", 3), ("FakeNVL", 3), ("FakeNic", 3)]
+    assert all(c.device_index == 3 for c in plain.restart_health_check.instances)
+    assert plain.restart_health_check(state) is state
+    assert StandIn.ran == ["FakeGPU", "FakeNVL", "FakeNic"]
+
+    StandIn.ran.clear()
+    wrapper = inprocess.Wrapper(health_check=inprocess.Compose(User("user1"), User("user2")))
+    kinds = [type(c).__name__ for c in wrapper.restart_health_check.instances]
+    assert kinds == ["User", "User", "FakeNic", "FakeNVL", "FakeGPU"]
+    assert wrapper.restart_health_check(state) is state
+    assert StandIn.ran == ["FakeGPU", "FakeNVL", "FakeNic", "user2", "user1"]
+
+    monkeypatch.delenv("LOCAL_RANK")
+    assert inprocess.Wrapper().restart_health_check is None
+
+
+def test_the_nic_check_is_in_the_wrappers_chain_without_counters(
+    monkeypatch, tmp_path, state, caplog
+):
+    from inprocess.health_check import restart
+
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    monkeypatch.setattr(restart, "IB_SYSFS", str(tmp_path / "none"))
+    monkeypatch.setattr(
+        ChainedNicHealthCheck.__init__, "__defaults__", (None, str(tmp_path / "none"))
+    )
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    chain = inprocess.Wrapper().restart_health_check
+    kinds = [type(c) for c in chain.instances]
+    assert kinds == [ChainedNicHealthCheck, ChainedNVLHealthCheck, ChainedGPUHealthCheck]
+    with caplog.at_level(logging.INFO, logger="inprocess"):
+        assert chain(state) is state
+    assert "ChainedNicHealthCheck checked nothing" in caplog.text

@@ -3,6 +3,7 @@ examples, argument errors, and the callback across ranks (threads, one store).""
 
 from __future__ import annotations
 
+import datetime
 import threading
 from collections.abc import Callable
 
@@ -115,6 +116,7 @@ def check_step(
         assert any(reserve in leaves_of(t, n) for n in reach)
         if not filtered:
             assert new.ranks[reserve] < new.active_world_size
+    pairs: dict[int, list[tuple[int, int]]] = {}
     for hole, mover in new.backfills:
         assert hole in holes and hole not in filled
         # The mover was active, or took another lost rank's place from the reserve.
@@ -122,10 +124,13 @@ def check_step(
             next(h for h, r in filled.items() if r == mover)
         ]
         assert mover in filled.values() or was < prev.active_world_size
-        assert was > holes[hole], "a backfill moved a rank up"
         top = t.depth - t.backfill_levels
         domain = t.ancestors[t.bottom_of_leaf[hole]][-1 - top]
         assert mover in leaves_of(t, domain)
+        pairs.setdefault(domain, []).append((holes[hole], was))
+    for moves in pairs.values():
+        # The lowest mover fills the lowest hole, and so on (the newer generation's pairing).
+        assert [w for _, w in sorted(moves)] == sorted(w for _, w in moves)
     if not filtered:
         assert new.active_world_size == prev.active_world_size - len(holes) + len(filled)
     if oracle and not filtered:  # the filter makes new reserve ranks
@@ -456,3 +461,183 @@ def test_wrong_numbering_is_an_internal_error() -> None:
     later = PrefixStore(f"{P.barrier_name(1, 0)}/assignment", HashStore())
     with pytest.raises(InternalError, match="only rank assignment"):
         tree(RankAssignmentCtx(State(rank=0, world_size=2), later, set()))
+
+
+# ---------------------------------------------------------------------- any store
+
+
+class StandInStore:
+    """Only the four exchange methods, answering for every rank (as callers' stand-ins do)."""
+
+    def __init__(self, states: dict[int, State], keys: dict[int, list]) -> None:
+        self.states, self.keys = states, keys
+        self.sent: list[tuple[str, int]] = []
+
+    def send_state(self, state, rank):
+        self.sent.append(("state", rank))
+
+    def get_states(self, ranks):
+        return [self.states[r] for r in ranks]
+
+    def send_key(self, key, rank):
+        self.sent.append(("key", rank))
+
+    def get_keys(self, ranks):
+        return [self.keys[r] for r in ranks]
+
+
+def stand_in(n: int, layers: list[Layer]) -> tuple[Tree, dict[int, State], StandInStore]:
+    states = {r: State(rank=r, world_size=n) for r in range(n)}
+    keys = {
+        r: [f(s) if callable(f) else f for f in (layer.key_or_fn for layer in layers)]
+        for r, s in states.items()
+    }
+    return Tree(layers), states, StandInStore(states, keys)
+
+
+def active_ranks(tree: Tree, n: int) -> list[int | None]:
+    """Each initial rank's active rank (None: reserve or terminated), all agreeing on the size."""
+    nodes = [tree.init_rank_map[i] for i in range(n)]
+    assert len({node.state.active_world_size for node in nodes}) == 1
+    assert len({node.state.world_size for node in nodes}) == 1
+    return [node.state.active_rank for node in nodes]
+
+
+def test_tree_with_a_stand_in_store_builds_over_every_rank_and_shows_each_ones_state() -> None:
+    layers = [Layer(flag=B), Layer(key_or_fn=lambda s: s.rank // 4, flag=B)]  # int keys
+    tree, states, store = stand_in(8, layers)
+    assert tree.init_rank_map == {}
+    ctx = tree(RankAssignmentCtx(states[0], store, {1}))
+    # Built over all 8 ranks (rank 1 lost at the first call included), then rank
+    # 1's place goes to the backfill domain's highest active rank.
+    assert store.sent == [("state", 0), ("key", 0)]
+    assert active_ranks(tree, 8) == [0, None, 2, 3, 4, 5, 6, 1]
+    lost = tree.init_rank_map[1].state
+    assert (lost.mode, lost.rank, lost.active_rank) == (Mode.TERMINATED, None, None)
+    moved = tree.init_rank_map[7]
+    assert (moved.initial_rank, moved.state.rank, moved.state.mode) == (7, 6, Mode.ACTIVE)
+    assert (ctx.state.rank, ctx.state.active_rank, ctx.state.world_size) == (0, 0, 7)
+    assert ctx.terminated_ranks == set()
+    assert sorted(tree.init_rank_map) == list(range(8)) and 8 not in tree.init_rank_map
+
+
+def test_tree_with_a_stand_in_store_pairs_backfills_in_order() -> None:
+    layers = [Layer(flag=B), Layer(key_or_fn=lambda s: s.rank // 2, flag=B)]
+    tree, states, store = stand_in(8, layers)
+    tree(RankAssignmentCtx(states[0], store, {2, 3}))
+    # The two highest active ranks fill the two gaps, the lower one the lower gap.
+    assert active_ranks(tree, 8) == [0, 1, None, None, 4, 5, 2, 3]
+
+
+def test_tree_with_a_stand_in_store_numbers_the_survivors_in_tree_order() -> None:
+    # Hosts of 4, 3 active each; terminated_ranks of a later call are numbered as
+    # the states the previous call gave out: survivors in tree order.
+    layers = [Layer(flag=R), Layer(max_ranks=3, key_or_fn=lambda s: s.rank // 4, flag=R)]
+    tree, states, store = stand_in(8, layers)
+    ctx = tree(RankAssignmentCtx(states[0], store, {1}))
+    assert active_ranks(tree, 8) == [0, None, 2, 1, 3, 4, 5, None]
+    assert [tree.init_rank_map[i].state.rank for i in range(8)] == [0, None, 1, 2, 3, 4, 5, 6]
+    ctx.terminated_ranks = {3}  # initial rank 4
+    ctx = tree(ctx)
+    assert active_ranks(tree, 8) == [0, None, 2, 1, None, 4, 5, 3]
+    ctx.terminated_ranks = {1}  # initial rank 2: no reserve left, the gap is shifted
+    ctx = tree(ctx)
+    assert active_ranks(tree, 8) == [0, None, None, 1, None, 3, 4, 2]
+    assert (ctx.state.world_size, ctx.state.active_world_size) == (5, 5)
+
+
+def test_tree_with_a_stand_in_store_still_assigns_everyone_when_the_caller_is_lost() -> None:
+    layers = [Layer(), Layer(min_ranks=3, key_or_fn=lambda s: s.rank // 4)]
+    tree, states, store = stand_in(8, layers)
+    with pytest.raises(RankDiscarded):
+        tree(RankAssignmentCtx(states[0], store, {0, 2}))
+    assert active_ranks(tree, 8) == [None] * 4 + [0, 1, 2, 3]  # host 0 went whole
+    tree, states, store = stand_in(8, [Layer(min_ranks=7), Layer(key_or_fn=lambda s: s.rank // 4)])
+    with pytest.raises(RankDiscarded):
+        tree(RankAssignmentCtx(states[0], store, {0, 5}))
+    assert active_ranks(tree, 8) == [None] * 8
+    assert tree.init_rank_map[3].state.active_world_size == 0
+
+
+def test_tree_with_a_stand_in_store_errors_and_warnings() -> None:
+    tree, states, store = stand_in(8, [Layer(key_or_fn=lambda s: s.rank % 2)])
+    with pytest.raises(RuntimeError, match="root"):
+        tree(RankAssignmentCtx(states[0], store, set()))
+    tree, states, store = stand_in(8, [Layer(), Layer(key_or_fn=lambda s: s.rank % 2)])
+    with pytest.warns(UserWarning, match="launch order"):
+        tree(RankAssignmentCtx(states[0], store, set()))
+    assert [tree.init_rank_map[i].leaf for i in range(4)] == [0, 4, 1, 5]
+
+    class HalfStore:
+        def send_state(self, state, rank):
+            pass
+
+    with pytest.raises(TypeError, match="get_states, send_key, get_keys"):
+        Tree([Layer()])(RankAssignmentCtx(State(rank=0, world_size=1), HalfStore(), set()))
+
+
+def test_our_store_has_the_exchange_methods_and_tree_runs_over_them_on_every_rank() -> None:
+    n = 8
+    raw = HashStore()
+
+    class FourMethods:
+        """Our store behind only the four methods (the generic path, on every rank)."""
+
+        def __init__(self, store):
+            self.store = store
+
+        def send_state(self, state, rank):
+            self.store.send_state(state, rank)
+
+        def get_states(self, ranks):
+            return self.store.get_states(ranks)
+
+        def send_key(self, key, rank):
+            self.store.send_key(key, rank)
+
+        def get_keys(self, ranks):
+            return self.store.get_keys(ranks)
+
+    store = PrefixStore("exchange", raw)
+    store.set_timeout(datetime.timedelta(seconds=60))
+
+    def layers() -> list[Layer]:
+        host = Layer(max_ranks=3, key_or_fn=lambda s: f"h{s.rank // 4}", flag=R)
+        return [Layer(key_or_fn="job", flag=R), host]
+
+    trees = {r: Tree(layers()) for r in range(n)}
+    ctxs = {
+        r: RankAssignmentCtx(State(rank=r, world_size=n, iteration=2), FourMethods(store), set())
+        for r in range(n)
+    }
+    results = run_ranks(trees, ctxs)
+    for r, state in results.items():
+        assert isinstance(state, State), state
+        node = trees[0].init_rank_map[r]
+        assert (state.rank, state.active_rank, state.mode) == (
+            node.state.rank, node.state.active_rank, node.state.mode
+        )
+        assert node.state.iteration == 2
+    assert [results[r].active_rank for r in range(n)] == [0, 1, 2, None, 3, 4, 5, None]
+    # What the store gives back is what was sent, in the order asked for.
+    got = store.get_states([5, 1])
+    assert [(s.rank, s.world_size, s.iteration, s.mode) for s in got] == [
+        (5, n, 2, Mode.ACTIVE),
+        (1, n, 2, Mode.ACTIVE),
+    ]
+    assert store.get_keys([3]) == [["job", "h0"]]
+    assert store.get_states([]) == []
+
+
+def test_init_rank_map_with_the_wrappers_store() -> None:
+    n = 6
+    trees = {r: Tree(make_layers()) for r in range(n)}
+    store = PrefixStore(f"{P.barrier_name(0, 0)}/assignment", HashStore())
+    ctxs = {r: RankAssignmentCtx(State(rank=r, world_size=n), store, set()) for r in range(n)}
+    results = run_ranks(trees, ctxs)
+    for r, state in results.items():
+        node = trees[r].init_rank_map[r]
+        assert (node.state.rank, node.state.active_rank, node.state.mode) == (
+            state.rank, state.active_rank, state.mode
+        )
+        assert state.active_rank == (state.rank if state.mode == Mode.ACTIVE else None)

@@ -14,20 +14,36 @@ import argparse
 import contextlib
 import fcntl
 import logging
+import math
 import os
+import re
 import resource
 import secrets
 import shutil
 import socket
+import stat
 import sys
-import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from ..security import JOB_SECRET_ENV
+from ..proctitle import set_title
+from ..records import EVENTS_FILE, RESTARTS_FILE
+from ..security import JOB_SECRET_ENV, check_job_secret
+from ..userdir import user_dir
 from . import policy
-from .console import Console, StatusLine
-from .spec import JobSpec, SpecError
+from .console import LOG_DIR_MODE, Console, StatusLine
+from .spec import (
+    JOB_ID_PATTERN,
+    MAX_COUNT,
+    MAX_JOB_ID,
+    MAX_NODES,
+    MAX_NPROC_PER_NODE,
+    MAX_STANDBY,
+    MONITOR_INTERVAL_RANGE,
+    JobSpec,
+    SpecError,
+)
 from .state import StateError, StateStore
 from .supervisor import (
     CONTROLLER_STABLE_SECONDS,
@@ -38,6 +54,9 @@ from .supervisor import (
 )
 
 log = logging.getLogger(__name__)
+
+#: where the job-id locks are kept (per user, below it): one place for every launch
+LOCK_BASE = "/tmp"
 
 
 def _default_job_id() -> str:
@@ -58,35 +77,46 @@ def parser() -> argparse.ArgumentParser:
         help="workers per node: a number, or gpu / cpu / auto as with torchrun (default 1)",
     )
     p.add_argument(
-        "--spare-nodes", type=int, default=0, help="spare node slots for relaunching failing nodes"
+        "--spare-nodes",
+        type=_integer(0, MAX_NODES),
+        default=0,
+        help=f"spare node slots for relaunching failing nodes (0..{MAX_NODES}, default 0)",
     )
     p.add_argument(
         "--max-restarts",
-        type=int,
+        type=_integer(0, MAX_COUNT),
         default=3,
         help="process restarts allowed per worker (default 3)",
     )
     p.add_argument(
         "--per-node-max-failures",
-        type=int,
+        type=_integer(1, MAX_COUNT),
         default=3,
         help="failures of one node before it is relaunched (default 3)",
     )
     p.add_argument(
-        "--job-max-restarts", type=int, default=3, help="cold restarts of the whole job (default 3)"
+        "--job-max-restarts",
+        type=_integer(0, MAX_COUNT),
+        default=3,
+        help="cold restarts of the whole job (default 3)",
     )
     p.add_argument(
-        "--node-max-relaunches", type=int, default=1, help="node relaunches allowed (default 1)"
+        "--node-max-relaunches",
+        type=_integer(0, MAX_COUNT),
+        default=1,
+        help="node relaunches allowed (default 1)",
     )
     p.add_argument(
         "--max-controller-restarts",
-        type=int,
+        type=_integer(0, MAX_COUNT),
         default=MAX_CONTROLLER_RESTARTS,
         help="crashes of the controller in a row (each within "
         f"{CONTROLLER_STABLE_SECONDS:g}s of its start) before the job is given up "
         f"(default {MAX_CONTROLLER_RESTARTS})",
     )
-    p.add_argument("--state-dir", type=Path, help="where the controller keeps its state")
+    p.add_argument(
+        "--state-dir", type=_directory, help="where the controller keeps its state"
+    )
     p.add_argument(
         "-m",
         "--module",
@@ -102,7 +132,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--log-dir",
         "--log_dir",
-        type=Path,
+        type=_directory,
         default=None,
         help="where per-worker log files go (<log-dir>/<job-id>_<random>/attempt_<generation>/"
         "<rank>/stdout.log, stderr.log; default with --redirects / --tee: <state-dir>/logs)",
@@ -152,7 +182,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--master-port",
         "--master_port",
-        type=int,
+        type=_integer(1, 65535),
         default=None,
         help="port of the job's store (MASTER_PORT; default: a free port, a new one for "
         "each cold restart)",
@@ -180,15 +210,19 @@ def parser() -> argparse.ArgumentParser:
         'e.g. \'{"CPU": 8, "GPU": 8}\'',
     )
     p.add_argument(
-        "--monitor-interval", type=float, default=0.1, help="controller polling interval (s)"
+        "--monitor-interval",
+        type=_seconds(*MONITOR_INTERVAL_RANGE),
+        default=0.1,
+        help=f"controller polling interval (s; {MONITOR_INTERVAL_RANGE[0]:g}.."
+        f"{MONITOR_INTERVAL_RANGE[1]:g}, default 0.1)",
     )
     p.add_argument("--log-level", default="INFO", help="controller log level (default INFO)")
     p.add_argument(
         "--standby",
-        type=int,
+        type=_integer(0, MAX_STANDBY),
         default=1,
-        help="warm standby processes per node (torch imported, waiting to replace a worker "
-        "at once); 0 turns them off (default 1)",
+        help="warm standby processes per node slot (torch imported, waiting to replace a "
+        f"worker at once); 0 turns them off (0..{MAX_STANDBY}, default 1)",
     )
     p.add_argument(
         "script", help="the training script (with -m: a module; with --no-python: a program)"
@@ -237,7 +271,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.master_addr is None:
         args.master_addr = ray_node["ip"] if ray_node else "127.0.0.1"
     job_id = args.job_id or _default_job_id()
-    state_dir = (args.state_dir or Path("inprocess-runs") / job_id).absolute()
+    try:
+        state_dir = _trusted_path(
+            (args.state_dir or Path("inprocess-runs") / job_id).absolute(), "--state-dir"
+        )
+    except StateError as ex:
+        return _error(str(ex))
+    if state_dir == Path(state_dir.anchor):
+        return _error(
+            f"--state-dir {args.state_dir} is the root directory: give a directory of its own "
+            "(the job's state and records are written into it)"
+        )
     run_as = "module" if args.module else "program" if args.no_python else "script"
     entry = str(Path(args.script).absolute()) if run_as == "script" else args.script
     log_dir = None
@@ -268,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     except SpecError as ex:
         return _error(_flag_names(str(ex)))
+    # ps/pgrep: the script's name is for its workers alone (see inprocess.proctitle)
+    set_title(f"inprocess-run launcher of job {job_id}")
     lock = None
     # Invariant: a refused start leaves the state dir as it found it (the
     # corrected rerun with the same --state-dir starts): every flag is checked
@@ -285,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         if log_dir is not None:
             flag = "--log-dir" if args.log_dir is not None else "--state-dir"
             try:
-                log_dir.mkdir(parents=True)
+                log_dir.mkdir(mode=LOG_DIR_MODE, parents=True)  # (nobody else writes)
             except OSError as ex:
                 raise StateError(f"{flag} {log_dir.parent}: {ex.strerror or ex}") from None
     except (StateError, OSError) as ex:
@@ -309,6 +355,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ[RUN_TOKEN_ENV] = run_token
     if not os.environ.get(JOB_SECRET_ENV):
         os.environ[JOB_SECRET_ENV] = secrets.token_hex(32)
+    # This user's private directory (node groups), found once here for every
+    # process of the job: user_dir() puts it in the environment they inherit.
+    with contextlib.suppress(OSError):  # (then each rank says why it has none)
+        user_dir()
     # the console view (status line, tee'd logs) runs as long as the job
     console = Console(state_dir, spec, None if args.quiet else StatusLine.usable(2))
     console.start()
@@ -381,9 +431,11 @@ class _Unsupported(argparse.Action):
 
 def _nnodes(text: str) -> int:
     try:
-        return int(text)
+        value = int(text)
     except ValueError:
         pass
+    else:
+        return _in_range(value, 1, MAX_NODES, text)
     if ":" in text:
         raise argparse.ArgumentTypeError(
             f"elastic ranges MIN:MAX ({text!r}) are not supported: give the number of nodes; "
@@ -404,17 +456,81 @@ def _nproc_per_node(text: str) -> int:
     if text == "cpu":
         return os.cpu_count() or 1
     try:
-        return int(text)
+        value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"must be an integer, gpu, cpu or auto, got {text!r}"
         ) from None
+    return _in_range(value, 1, MAX_NPROC_PER_NODE, text)
+
+
+def _in_range(value: int, low: int, high: int, text: str) -> int:
+    if not low <= value <= high:
+        raise argparse.ArgumentTypeError(f"must be an integer in {low}..{high}, got {text!r}")
+    return value
+
+
+def _integer(low: int, high: int) -> Callable[[str], int]:
+    """An argparse type: an integer in ``low..high`` (argparse names the flag)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"must be an integer in {low}..{high}, got {text!r}"
+            ) from None
+        return _in_range(value, low, high, text)
+
+    return parse
+
+
+def _seconds(low: float, high: float) -> Callable[[str], float]:
+    """An argparse type: a number of seconds in ``low..high`` (never inf or nan)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not low <= value <= high:  # (false for nan)
+            raise argparse.ArgumentTypeError(
+                f"must be a number of seconds in {low:g}..{high:g}, got {text!r}"
+            )
+        return value
+
+    return parse
+
+
+def _directory(text: str) -> Path:
+    """An argparse type: a directory's path, not empty (an empty one would mean the
+    current directory, silently)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(
+            f"must name a directory, got {text!r} (for the current directory, give '.')"
+        )
+    return Path(text)
 
 
 def _check_launch_flags(args: argparse.Namespace) -> str | None:
-    """The torchrun-style flags that do not go together, or a SCRIPT that cannot run."""
+    """The torchrun-style flags that do not go together, a job id, address or secret
+    that cannot work, or a SCRIPT that cannot run."""
     if args.module and args.no_python:
         return "-m/--module and --no-python exclude each other (a module needs Python)"
+    if args.job_id is not None:
+        job_id = args.job_id
+        shown = repr(job_id) if len(job_id) <= 40 else f"{job_id[:20]!r}... ({len(job_id)} chars)"
+        if not JOB_ID_PATTERN.fullmatch(job_id) or job_id in (".", ".."):
+            return (
+                "--job-id must be letters, digits, '_', '.' or '-' (not '.' or '..'), "
+                f"got {shown}"
+            )
+        if len(job_id) > MAX_JOB_ID:
+            return f"--job-id must be at most {MAX_JOB_ID} characters, got {shown}"
+    try:
+        check_job_secret()
+    except ValueError as ex:
+        return str(ex)
     local_only = [
         flag
         for flag, given in (
@@ -448,6 +564,10 @@ def _check_launch_flags(args: argparse.Namespace) -> str | None:
                 "--local-ranks-filter must be a comma-separated list of local ranks "
                 f"(integers >= 0), e.g. 0 or 0,1, got {args.local_ranks_filter!r}"
             )
+    if args.master_addr is not None:
+        problem = _check_master_addr(args.master_addr, local=args.backend == "local")
+        if problem:
+            return problem
     if args.master_port is not None:
         if not 1 <= args.master_port <= 65535:
             return f"--master-port must be in 1..65535, got {args.master_port}"
@@ -474,32 +594,123 @@ def _check_launch_flags(args: argparse.Namespace) -> str | None:
 #: most worker processes one machine runs per CPU (--backend local): far beyond
 #: any useful oversubscription, far below what makes a launch take hours
 LOCAL_WORKERS_PER_CPU = 64
+#: file descriptors the controller holds per process it starts (a pidfd, a socket)
+FDS_PER_PROCESS = 2
+#: file descriptors kept for everything else (the store, state and log files)
+FDS_RESERVED = 64
+#: highest file descriptor number ``select()`` takes (``FD_SETSIZE``), used on a
+#: zygote's and a store server's descriptors
+FD_SETSIZE = 1024
 
 
 def local_capacity() -> int:
-    """Most worker processes a ``--backend local`` job may start on this machine:
-    :data:`LOCAL_WORKERS_PER_CPU` per CPU, and below this user's process limit."""
+    """Most processes (workers, standbys and their zygotes) a ``--backend local`` job
+    may start on this machine: :data:`LOCAL_WORKERS_PER_CPU` per CPU, below this
+    user's process limit, and few enough that the controller's descriptors for
+    them stay within its open-file limit and ``FD_SETSIZE``."""
     limit = LOCAL_WORKERS_PER_CPU * (os.cpu_count() or 1)
     soft, _ = resource.getrlimit(resource.RLIMIT_NPROC)
     if soft != resource.RLIM_INFINITY:
         limit = min(limit, max(1, soft // 2))  # room for the user's other processes
-    return limit
+    files, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    files = FD_SETSIZE if files == resource.RLIM_INFINITY else min(files, FD_SETSIZE)
+    return min(limit, max(1, (files - FDS_RESERVED) // FDS_PER_PROCESS))
 
 
 def _check_machine(args: argparse.Namespace) -> str | None:
-    """Refuses a local launch larger than the machine can hold, before anything starts."""
+    """Refuses a local launch larger than the machine can hold, before anything starts:
+    the workers, and the standbys (``--standby`` on every node slot, spares included)
+    with one zygote per slot that forks them."""
     if args.backend != "local" or args.nnodes < 1 or args.nproc_per_node < 1:
         return None  # bad numbers are refused by name later
     workers = args.nnodes * args.nproc_per_node
     capacity = local_capacity()
+    where = (
+        f"--backend local runs at most {capacity} on this machine ({LOCAL_WORKERS_PER_CPU} "
+        f"per CPU, {os.cpu_count()} CPUs, within the process and open-file limits)"
+    )
     if workers > capacity:
         return (
             f"--nproc-per-node {args.nproc_per_node} with --nnodes {args.nnodes} is "
-            f"{workers} worker processes; --backend local runs at most {capacity} on this "
-            f"machine ({LOCAL_WORKERS_PER_CPU} per CPU, {os.cpu_count()} CPUs, within the "
-            "process limit): lower them, or use --backend ray for several machines"
+            f"{workers} worker processes; {where}: lower them, or use --backend ray for "
+            "several machines"
+        )
+    slots = args.nnodes + args.spare_nodes
+    standbys = slots * (args.standby + 1) if args.standby > 0 else 0
+    if workers + standbys > capacity:
+        return (
+            f"--standby {args.standby} on {slots} node slot(s) (--nnodes {args.nnodes} + "
+            f"--spare-nodes {args.spare_nodes}) is {standbys} standby and zygote processes, "
+            f"{workers + standbys} with the {workers} workers; {where}: lower --standby or "
+            "--spare-nodes"
         )
     return None
+
+
+def _check_master_addr(addr: str, local: bool) -> str | None:
+    """Refuses a ``--master-addr`` that does not resolve, or (``local``: the store is
+    bound on this machine) that is not an address of this machine."""
+    try:
+        socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as ex:
+        why = getattr(ex, "strerror", None) or str(ex)
+        return f"--master-addr {addr!r}: cannot resolve it ({why})"
+    if local:
+        try:
+            with socket.create_server((addr, 0)):
+                pass
+        except OSError as ex:
+            return (
+                f"--master-addr {addr!r}: the job's store cannot listen on it here "
+                f"({ex.strerror or ex}); with --backend local it must be an address of "
+                "this machine"
+            )
+    return None
+
+
+def _trusted_path(path: Path, flag: str) -> Path:
+    """``path`` (absolute) with its symlinks resolved, each checked on the way: a symlink
+    another user owns (other than root) is refused, since that user could point it
+    anywhere at any time (the job would then write where they chose). Components that
+    do not exist yet are kept as given.
+
+    Raises:
+        StateError: naming ``flag``, the symlink and its owner.
+    """
+    resolved = Path(path.anchor)
+    pending = list(path.parts[1:])
+    hops = 0
+    while pending:
+        name = pending.pop(0)
+        if name in ("", "."):
+            continue
+        if name == "..":
+            resolved = resolved.parent
+            continue
+        candidate = resolved / name
+        try:
+            info = os.lstat(candidate)
+        except FileNotFoundError:
+            return Path(os.path.normpath(candidate.joinpath(*pending)))
+        except OSError as ex:
+            raise StateError(f"{flag} {path}: {candidate}: {ex.strerror or ex}") from None
+        if not stat.S_ISLNK(info.st_mode):
+            resolved = candidate
+            continue
+        if info.st_uid not in (os.getuid(), 0):
+            raise StateError(
+                f"{flag} {path}: {candidate} is a symlink owned by uid {info.st_uid}, not by "
+                f"this user ({os.getuid()}) or root: that user could point it anywhere; "
+                "give the real path"
+            )
+        hops += 1
+        if hops > 40:
+            raise StateError(f"{flag} {path}: too many levels of symlinks")
+        target = Path(os.readlink(candidate))
+        if target.is_absolute():
+            resolved = Path(target.anchor)
+        pending[:0] = [p for p in target.parts if p != target.anchor]
+    return resolved
 
 
 def _error(message: str) -> int:
@@ -518,6 +729,12 @@ def _prepare_state_dir(state_dir: Path) -> None:
         check_private_dir(state_dir, "--state-dir")
     except StateError as ex:
         raise StateError(f"{ex}; the job's state and pid files must be private") from None
+    for name in (RESTARTS_FILE, EVENTS_FILE):
+        if (state_dir / name).is_symlink():
+            raise StateError(
+                f"--state-dir {state_dir}: {name} is a symlink; remove it (the job's "
+                "records are never written through one)"
+            )
 
 
 def _check_log_dir(base: Path, flag: str | None) -> None:
@@ -550,14 +767,13 @@ def _undo_start(state_dir: Path, state_file: str | None, made_dir: bool) -> None
 
 
 def _lock_dir() -> Path:
-    """A private per-user directory for the job-id locks."""
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    base = Path(runtime) if runtime and os.path.isdir(runtime) else Path(tempfile.gettempdir())
-    directory = base / f"inprocess-{os.getuid()}"
-    with contextlib.suppress(FileExistsError):
-        directory.mkdir(mode=0o700)
-    check_private_dir(directory, "lock directory")
-    return directory
+    """This user's private directory for the job-id locks: in ``/tmp`` whatever
+    ``$TMPDIR`` or ``$XDG_RUNTIME_DIR`` say, so two launches of one job id that
+    differ in them still meet (see :func:`inprocess.userdir.user_dir`)."""
+    try:
+        return Path(user_dir(LOCK_BASE))
+    except OSError as ex:
+        raise StateError(f"no private directory for job-id locks in {LOCK_BASE}: {ex}") from None
 
 
 def lock_job_id(job_id: str) -> int:
@@ -587,8 +803,9 @@ def lock_job_id(job_id: str) -> int:
 
 
 def _flag_names(message: str) -> str:
-    """Names spec fields the way they are spelled on the command line."""
-    return message.replace("JobSpec.", "--").replace("_", "-")
+    """Names spec fields the way they are spelled on the command line (the values
+    quoted in the message stay as they are)."""
+    return re.sub(r"JobSpec\.(\w+)", lambda m: "--" + m.group(1).replace("_", "-"), message)
 
 
 if __name__ == "__main__":

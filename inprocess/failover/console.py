@@ -25,11 +25,13 @@ import json
 import logging
 import os
 import re
+import stat
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
+from ..records import printable
 from .spec import JobSpec
 from .state import StateError, StateStore, WorkerStatus
 
@@ -39,6 +41,9 @@ log = logging.getLogger(__name__)
 TICK = 0.1
 #: seconds between two redraws of the status line (at most)
 STATUS_PERIOD = 0.25
+#: longest piece of a tee'd line shown as one console line (bytes); what a worker
+#: prints without a newline is held back up to this much, then shown
+MAX_LINE = 64 * 1024
 _STREAMS = (("stdout", 1), ("stderr", 2))
 
 
@@ -46,6 +51,65 @@ def worker_log_dir(spec: JobSpec, generation: int, worker: int) -> Path:
     """``<log_dir>/attempt_<generation>/<rank>`` (``spec.log_dir`` must be set)."""
     assert spec.log_dir is not None
     return Path(spec.log_dir) / f"attempt_{generation}" / str(worker)
+
+
+#: mode of the log directories the job makes (nobody else may write in them)
+LOG_DIR_MODE = 0o750
+#: mode of the log files the job makes
+LOG_FILE_MODE = 0o640
+
+
+def make_log_dirs(spec: JobSpec, generation: int, worker: int) -> Path:
+    """Creates (``LOG_DIR_MODE``) or checks ``worker``'s log directory and those
+    between it and ``spec.log_dir``; returns it.
+
+    The log dir may lie in a directory another user can write, who could swap a
+    directory of ours for one of theirs (or a symlink) between two launches:
+    every level is checked with ``lstat`` (never followed) to be a directory of
+    this user that nobody else can write.
+
+    Raises:
+        PermissionError: naming the directory that is not ours, and why.
+    """
+    assert spec.log_dir is not None
+    directory = Path(spec.log_dir)
+    for part in (None, f"attempt_{generation}", str(worker)):
+        if part is not None:
+            directory = directory / part
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(directory, LOG_DIR_MODE)
+        info = os.lstat(directory)
+        if not stat.S_ISDIR(info.st_mode):
+            raise PermissionError(f"log directory {directory} is not a directory (a symlink?)")
+        if info.st_uid != os.getuid():
+            raise PermissionError(
+                f"log directory {directory} is owned by uid {info.st_uid}, not by this user"
+            )
+        if info.st_mode & 0o022:
+            raise PermissionError(
+                f"log directory {directory} is writable by others "
+                f"(mode {stat.S_IMODE(info.st_mode):o})"
+            )
+    return directory
+
+
+def open_log(path: str) -> int:
+    """``path`` opened for appending (created ``LOG_FILE_MODE``); a symlink is refused
+    (``O_NOFOLLOW``: never another file written through it), and the descriptor
+    is not inherited by anything else the job starts (``O_CLOEXEC``); nor is a file
+    of another user (one planted after :func:`make_log_dirs` looked): the
+    worker's output is never handed to a stranger.
+
+    Raises:
+        OSError: the file cannot be opened, or is not ours (``PermissionError``).
+    """
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(path, flags, LOG_FILE_MODE)
+    owner = os.fstat(fd).st_uid
+    if owner != os.getuid():
+        os.close(fd)
+        raise PermissionError(f"log file {path} is owned by uid {owner}, not by this user")
+    return fd
 
 
 def worker_output(
@@ -60,20 +124,29 @@ def worker_output(
     ``TORCHELASTIC_ERROR_FILE`` (torchrun's ``error.json``);
     a Python worker writing to a file gets ``PYTHONUNBUFFERED=1`` (unless set),
     so that what it printed is in the file when it dies and tee'd lines show
-    at once.
+    at once. A log directory that is not ours (:func:`make_log_dirs`) is not
+    written: the worker's streams go to the console then, and the refusal is
+    logged.
     """
     redirect, tee, shown = spec.streams_of(worker)
+    log_dir = spec.log_dir
+    env: dict[str, str] = {}
+    if log_dir is not None:
+        try:
+            directory = make_log_dirs(spec, generation, worker)  # also for error.json alone
+        except OSError as ex:
+            log.error("worker %d's output is not written to its log files: %s", worker, ex)
+            log_dir = None
+        else:
+            env["TORCHELASTIC_ERROR_FILE"] = str(directory / "error.json")
     paths: list[str | None] = []
     for name, bit in _STREAMS:
-        if spec.log_dir is not None and (redirect | tee) & bit:
+        if log_dir is not None and (redirect | tee) & bit:
             paths.append(str(worker_log_dir(spec, generation, worker) / f"{name}.log"))
+        elif log_dir is None and spec.log_dir is not None and (redirect | tee) & bit:
+            paths.append(None)  # (refused above) to the console rather than lost
         else:
             paths.append(None if shown else os.devnull)
-    env: dict[str, str] = {}
-    if spec.log_dir is not None:
-        directory = worker_log_dir(spec, generation, worker)
-        directory.mkdir(parents=True, exist_ok=True)  # also for error.json alone
-        env["TORCHELASTIC_ERROR_FILE"] = str(directory / "error.json")
     if any(p not in (None, os.devnull) for p in paths) and "PYTHONUNBUFFERED" not in os.environ:
         env["PYTHONUNBUFFERED"] = "1"
     return paths[0], paths[1], env
@@ -131,7 +204,11 @@ class LogTailer:
     def _copy(self, path: Path, worker: int, fd: int, final: bool) -> None:
         offset = self._offsets.get(path, 0)
         try:
-            with open(path, "rb") as f:
+            # (never through a symlink planted in place of a log file, nor another
+            # user's file: what a stranger wrote is not shown as a worker's)
+            with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb") as f:
+                if os.fstat(f.fileno()).st_uid != os.getuid():
+                    return
                 f.seek(offset)
                 data = f.read(1 << 20)
         except OSError:
@@ -139,16 +216,26 @@ class LogTailer:
         if not data and not (final and self._partial.get(path)):
             return
         self._offsets[path] = offset + len(data)
+        # Invariant: what is held back of a line is shorter than MAX_LINE, so each
+        # poll copies at most MAX_LINE + one read, whatever a worker prints without
+        # a newline (a progress bar): a longer line is shown in MAX_LINE pieces.
         data = self._partial.pop(path, b"") + data
         lines = data.split(b"\n")
         rest = lines.pop()
-        if final and rest:
-            lines.append(rest)
-        elif rest:
-            self._partial[path] = rest
-        if lines:
+        held = 0 if final else len(rest) % MAX_LINE
+        pieces = [piece for line in lines for piece in _pieces(line)]
+        if len(rest) > held:
+            pieces += _pieces(rest[: len(rest) - held])
+        if held:
+            self._partial[path] = rest[len(rest) - held :]
+        if pieces:
             prefix = f"[default{worker}]:".encode()
-            _write_all(fd, b"".join(prefix + line + b"\n" for line in lines))
+            _write_all(fd, b"".join(prefix + piece + b"\n" for piece in pieces))
+
+
+def _pieces(line: bytes) -> list[bytes]:
+    """``line`` cut into pieces of at most :data:`MAX_LINE` bytes (an empty line: one)."""
+    return [line[i : i + MAX_LINE] for i in range(0, max(len(line), 1), MAX_LINE)]
 
 
 class JobView:
@@ -237,7 +324,7 @@ class JobView:
         self._offsets[name] = offset + end
         records = []
         for line in data[:end].splitlines():
-            with contextlib.suppress(ValueError):
+            with contextlib.suppress(ValueError, RecursionError):  # (too deeply nested)
                 record = json.loads(line)
                 if isinstance(record, dict):
                     records.append(record)
@@ -332,6 +419,7 @@ class StatusLine:
             self.rows = 0
 
     def show(self, text: str) -> None:
+        text = printable(text)  # (fault texts come from workers)
         rows, columns = self._size()
         if (rows, columns) != (self.rows, self.columns):
             self._release()
@@ -406,10 +494,10 @@ class Console:
         for record in restarts:
             faults = [f for f in record.get("faults") or [] if isinstance(f, dict)]
             latency = record.get("latency")
-            log.info(
-                "in-process restart at iteration %s (world size %s): %s%s",
+            text = "in-process restart at iteration {} (world size {}): {}{}".format(
                 record.get("iteration"),
                 record.get("world_size"),
                 "; ".join(describe_fault(f) for f in faults) or "no fault named",
                 f"; recovered in {latency:.2f}s" if isinstance(latency, int | float) else "",
             )
+            log.info("%s", printable(text))  # a worker's text: its control characters escaped

@@ -40,6 +40,7 @@ from typing import Any
 
 from .. import protocol
 from .. import records as _records
+from ..proctitle import set_title
 from ..security import keyed_namespace
 from . import policy
 from .backends import DEFAULT_BACKEND, Backend, ProcessExit, WorkerLaunch, create_backend
@@ -384,7 +385,15 @@ class Controller:
             if worker is None:
                 continue
             record = self.state.workers[worker]
-            events.append(WorkerExited(worker, record.incarnation, exit_.exit_code, exit_.signal))
+            events.append(
+                WorkerExited(
+                    worker,
+                    record.incarnation,
+                    exit_.exit_code,
+                    exit_.signal,
+                    machinery=exit_.machinery,
+                )
+            )
             self.event(
                 "worker_exit",
                 worker,
@@ -577,7 +586,8 @@ class Controller:
                     WorkerReported(
                         worker,
                         incarnation,
-                        f"declared terminated by the job: {what}"[:300],
+                        # (a worker's text: logged, so its control characters escaped)
+                        f"declared terminated by the job: {_records.printable(what)}"[:300],
                         restartable=restartable,
                     )
                 )
@@ -989,6 +999,7 @@ def main(argv: list[str] | None = None) -> int:
     if not die_with_parent(LAUNCHER_DEATH_SIGNAL, int(expected) if expected else None):
         os.kill(os.getpid(), LAUNCHER_DEATH_SIGNAL)
     controller = Controller(args.state_dir)
+    set_title(f"inprocess-run controller of job {controller.spec.job_id}", "inproc-control")
     code = policy.FAILURE_EXIT_CODE
     with contextlib.suppress(BrokenPipeError):
         code = controller.run(recovering=args.recover)

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import psutil
 
+from ..proctitle import set_title
 from .runtime import controller_pid_path
 from .supervisor import GUARD_GRACE, RUN_TOKEN_ENV, end_processes, record_end, run_processes
 
@@ -48,6 +49,7 @@ def _controller_alive(state_dir: Path, token: str) -> bool:
 def main(argv: list[str] | None = None) -> int:
     state_dir_arg, token, supervisor = (argv or sys.argv[1:])[:3]
     state_dir = Path(state_dir_arg)
+    set_title(f"inprocess-run guard of {state_dir} (launcher pid {supervisor})", "inproc-guard")
     for sig in (signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
     logging.basicConfig(

@@ -76,7 +76,15 @@ from collections.abc import Collection
 from typing import NamedTuple
 
 from .spec import JobSpec
-from .state import FailureKey, JobState, Stage, WorkerRecord, WorkerStatus, failure_key
+from .state import (
+    GPU_FAULT_EXIT_CODE,
+    FailureKey,
+    JobState,
+    Stage,
+    WorkerRecord,
+    WorkerStatus,
+    failure_key,
+)
 
 __all__ = [
     "FAILURE_EXIT_CODE",
@@ -147,9 +155,18 @@ class WorkerExited:
     incarnation: int
     exit_code: int | None = None
     signal: int | None = None
+    #: set (how) when it ended with a process of the job's machinery (its standby
+    #: zygote, killed with it): a fault of the machinery, not counted as the worker's
+    machinery: str | None = None
 
     def __post_init__(self) -> None:
         _check_int("WorkerExited.worker", self.worker, 0)
+        if self.machinery is not None and (
+            not isinstance(self.machinery, str) or not self.machinery
+        ):
+            raise PolicyError(
+                f"WorkerExited.machinery must be a non-empty string or None, got {self.machinery!r}"
+            )
         _check_int("WorkerExited.incarnation", self.incarnation, 0)
         if self.exit_code is not None and (
             isinstance(self.exit_code, bool) or not isinstance(self.exit_code, int)
@@ -168,6 +185,8 @@ class WorkerExited:
             except ValueError:
                 name = f"signal {self.signal}"
             return f"was killed by {name}"
+        if self.exit_code == GPU_FAULT_EXIT_CODE:
+            return f"exited with code {self.exit_code} (its GPU faulted)"
         if self.exit_code is not None:
             return f"exited with code {self.exit_code}"
         return "ended with an unknown exit status"
@@ -707,6 +726,24 @@ def handle_event(state: JobState, event: Event, *, now: float) -> Decision:
         if new.wrapper_managed is not True:  # job level: the job cannot go on without it
             return _stop(new, FAILURE_EXIT_CODE, _abort_reason(new), now)
         return _settle(new, now)
+
+    # 5b: ended with the machinery (its zygote killed with it) under the Wrapper:
+    # relaunched, nothing counted (no failure key: the relaunch's new incarnation
+    # makes any later event of this one stale)
+    if (
+        isinstance(event, WorkerExited)
+        and event.machinery is not None
+        and state.wrapper_managed is True
+    ):
+        new = _changed(state, now)
+        rec = new.workers[w]
+        rec.status = WorkerStatus.FAILED
+        rec.exit_code, rec.signal = event.exit_code, event.signal
+        slot = new.node_slots[rec.node]
+        text = f"{what} ({event.machinery}: a fault of the machinery, not counted)"
+        new.log_event("worker_machinery_fault", text, now)
+        logger.warning("job %s: %s: relaunching it on slot %d", new.job_id, text, slot)
+        return Decision(new, [RelaunchWorker(w, slot)])
 
     # 6: a failure
     new = _changed(state, now)

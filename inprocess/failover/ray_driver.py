@@ -100,24 +100,32 @@ def connect(address: str | None) -> dict[str, Any]:
     }
 
 
+#: largest amount of one resource in ``--ray-bundle`` (bytes of memory included)
+MAX_RESOURCE = 1e15
+
+
 def parse_bundle(text: str | None) -> dict[str, float]:
     """``--ray-bundle`` (a JSON object of Ray resources per node slot)."""
     if text is None:
         return dict(DEFAULT_BUNDLE)
     try:
         bundle = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         bundle = None
     if (
         not isinstance(bundle, dict)
         or not bundle
         or not all(
-            isinstance(k, str) and isinstance(v, int | float) and v > 0 for k, v in bundle.items()
+            isinstance(k, str)
+            and isinstance(v, int | float)
+            and not isinstance(v, bool)
+            and 0 < v <= MAX_RESOURCE  # (false for nan; no float() of a huge int)
+            for k, v in bundle.items()
         )
     ):
         raise ValueError(
-            f"--ray-bundle must be a JSON object of positive resource amounts, e.g. "
-            f'\'{{"CPU": 1, "GPU": 8}}\', got {text!r}'
+            f"--ray-bundle must be a JSON object of resource amounts in (0, {MAX_RESOURCE:g}], "
+            f'e.g. \'{{"CPU": 1, "GPU": 8}}\', got {text[:100]!r}'
         )
     return bundle
 

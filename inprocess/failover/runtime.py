@@ -7,12 +7,19 @@ imports none of them (no import circle between them).
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import logging
 import os
-import sys
 from pathlib import Path
+
+from .._exit import exit_now
+
+__all__ = [
+    "controller_pid_path",
+    "die_with_parent",
+    "exit_now",
+    "libc",
+    "signal_exit_code",
+]
 
 _PR_SET_PDEATHSIG = 1
 
@@ -39,19 +46,3 @@ def die_with_parent(sig: int, expected_parent: int | None) -> bool:
     if libc().prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
     return expected_parent is None or os.getppid() == expected_parent
-
-
-def exit_now(code: int) -> None:
-    """Flushes the logs and stdio, then ends the process without the
-    interpreter's teardown.
-
-    For a process whose work is done and saved: with torch loaded, the teardown
-    is a garbage collection over every object, seconds on a busy machine, for
-    which whoever waits on the process (the launcher, ``StoreServer.stop``)
-    would wait too.
-    """
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    os._exit(code)

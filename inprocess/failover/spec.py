@@ -21,10 +21,37 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["JOB_ID_PATTERN", "RUN_AS", "JobSpec", "SpecError", "parse_std"]
+__all__ = [
+    "JOB_ID_PATTERN",
+    "MAX_COUNT",
+    "MAX_JOB_ID",
+    "MAX_NODES",
+    "MAX_NPROC_PER_NODE",
+    "MAX_STANDBY",
+    "MONITOR_INTERVAL_RANGE",
+    "RUN_AS",
+    "JobSpec",
+    "SpecError",
+    "parse_std",
+]
 
 #: allowed characters of a job id; it may name files, directories and store prefixes
 JOB_ID_PATTERN = re.compile(r"[A-Za-z0-9_.-]+")
+#: longest job id: it names files (``job-<id>.lock``, ``<id>_<random>`` log dirs) that
+#: must stay well under the 255 bytes a file name may have
+MAX_JOB_ID = 128
+#: most nodes, and most spare node slots, of a job (each slot is a loop of the policy
+#: and, with standbys, processes: beyond this a typo, not a cluster)
+MAX_NODES = 100_000
+#: most workers per node
+MAX_NPROC_PER_NODE = 1024
+#: most warm standbys per node slot (more than a few never start a worker sooner)
+MAX_STANDBY = 64
+#: most restarts, failures or relaunches a limit may allow ("unlimited" in practice)
+MAX_COUNT = 1_000_000
+#: allowed seconds between two polls of the workers: from a busy loop's worth to a
+#: minute (beyond that a worker's death goes unseen for longer than any timeout)
+MONITOR_INTERVAL_RANGE = (0.001, 60.0)
 #: how ``entrypoint[0]`` is run: ``python SCRIPT``, ``python -m MODULE``, or as a program
 RUN_AS = ("script", "module", "program")
 #: torchrun's stream selectors (``--redirects`` / ``--tee``): none, stdout, stderr, both
@@ -69,15 +96,15 @@ def parse_std(name: str, value: str) -> dict[int | None, int]:
     return result
 
 
-def _check_int(name: str, value: Any, minimum: int) -> int:
+def _check_int(name: str, value: Any, minimum: int, maximum: int) -> int:
     # bool is an int subclass; `nnodes=True` is a mistake, not 1
     if isinstance(value, bool) or not isinstance(value, int):
         raise SpecError(
-            f"JobSpec.{name} must be an integer >= {minimum}, got {value!r} "
+            f"JobSpec.{name} must be an integer in {minimum}..{maximum}, got {value!r} "
             f"({type(value).__name__})"
         )
-    if value < minimum:
-        raise SpecError(f"JobSpec.{name} must be an integer >= {minimum}, got {value}")
+    if not minimum <= value <= maximum:
+        raise SpecError(f"JobSpec.{name} must be an integer in {minimum}..{maximum}, got {value}")
     return value
 
 
@@ -90,7 +117,8 @@ class JobSpec:
     ``state_dir`` may be a path-like object; it is stored as ``str``.
 
     Attributes:
-        job_id: name of the job, characters ``[A-Za-z0-9_.-]``, not ``.`` or ``..``.
+        job_id: name of the job, characters ``[A-Za-z0-9_.-]``, not ``.`` or ``..``,
+            at most :data:`MAX_JOB_ID` characters.
         entrypoint: the worker command: script path followed by its arguments.
         nnodes: number of nodes (>= 1).
         nproc_per_node: workers per node (>= 1).
@@ -155,6 +183,11 @@ class JobSpec:
             )
         if self.job_id in (".", ".."):
             raise SpecError(f"JobSpec.job_id must not be '.' or '..', got {self.job_id!r}")
+        if len(self.job_id) > MAX_JOB_ID:
+            raise SpecError(
+                f"JobSpec.job_id must be at most {MAX_JOB_ID} characters, got "
+                f"{len(self.job_id)} ({self.job_id[:20]!r}...)"
+            )
 
         entrypoint = self.entrypoint
         if isinstance(entrypoint, str | bytes) or not isinstance(entrypoint, Sequence):
@@ -173,14 +206,14 @@ class JobSpec:
             raise SpecError("JobSpec.entrypoint[0] (the script path) must not be empty")
         object.__setattr__(self, "entrypoint", tuple(entrypoint))
 
-        _check_int("nnodes", self.nnodes, 1)
-        _check_int("nproc_per_node", self.nproc_per_node, 1)
-        _check_int("spare_nodes", self.spare_nodes, 0)
-        _check_int("max_restarts", self.max_restarts, 0)
-        _check_int("per_node_max_failures", self.per_node_max_failures, 1)
-        _check_int("job_max_restarts", self.job_max_restarts, 0)
-        _check_int("node_max_relaunches", self.node_max_relaunches, 0)
-        _check_int("standby", self.standby, 0)
+        _check_int("nnodes", self.nnodes, 1, MAX_NODES)
+        _check_int("nproc_per_node", self.nproc_per_node, 1, MAX_NPROC_PER_NODE)
+        _check_int("spare_nodes", self.spare_nodes, 0, MAX_NODES)
+        _check_int("max_restarts", self.max_restarts, 0, MAX_COUNT)
+        _check_int("per_node_max_failures", self.per_node_max_failures, 1, MAX_COUNT)
+        _check_int("job_max_restarts", self.job_max_restarts, 0, MAX_COUNT)
+        _check_int("node_max_relaunches", self.node_max_relaunches, 0, MAX_COUNT)
+        _check_int("standby", self.standby, 0, MAX_STANDBY)
 
         state_dir = self.state_dir
         if isinstance(state_dir, os.PathLike):
@@ -200,14 +233,16 @@ class JobSpec:
             )
 
         interval = self.monitor_interval
+        low, high = MONITOR_INTERVAL_RANGE
         if (
             isinstance(interval, bool)
             or not isinstance(interval, int | float)
             or not math.isfinite(interval)
-            or interval <= 0
+            or not low <= interval <= high
         ):
             raise SpecError(
-                f"JobSpec.monitor_interval must be a finite number of seconds > 0, got {interval!r}"
+                f"JobSpec.monitor_interval must be a number of seconds in {low:g}..{high:g}, "
+                f"got {interval!r}"
             )
         object.__setattr__(self, "monitor_interval", float(interval))
 

@@ -43,8 +43,11 @@ controller also keeps the next generation's store server started ahead
 What tools see: ``/proc/PID/environ`` (``ps e``, ``psutil``) shows the
 worker's variables once it is assigned (:func:`_show_environ` rewrites the
 initial environment block in place, room for it is reserved at spawn), so a
-worker is found by ``RANK`` as usual; ``/proc/PID/cmdline`` stays the
-standby's (``python -m inprocess.failover.standby FD PID``).
+worker is found by ``RANK`` as usual; ``/proc/PID/cmdline`` (``ps``, ``pgrep
+-f``, py-spy) shows the standby's command line (``python -m
+inprocess.failover.standby FD PID``) until it is assigned, then the worker's
+(``python SCRIPT ARGS``, as a fresh worker's), written over the argument
+area (:mod:`inprocess.proctitle`; room for it is reserved at spawn too).
 
 What a standby cannot change: whatever the interpreter and the warm imports
 read from the environment *before* the assignment (``PYTHON*`` variables such as
@@ -92,6 +95,7 @@ import subprocess
 import sys
 from typing import Any
 
+from ..proctitle import ROOM_ARG, set_title, worker_title
 from .zygote import ZYGOTE_FLAG, Spawn, Zygote, ZygoteChild, zygote_env
 
 log = logging.getLogger(__name__)
@@ -313,6 +317,7 @@ class StandbyPool:
                     "inprocess.failover.standby",
                     str(theirs.fileno()),
                     str(os.getpid()),
+                    ROOM_ARG,  # room for the worker's command line (see serve)
                 ]
                 process = self._spawn(argv, {**env, ROOM_ENV: "." * ROOM_SIZE}, (theirs.fileno(),))
         except BaseException:
@@ -451,6 +456,11 @@ def _show_environ(env: dict[str, str]) -> bool:
     return True
 
 
+def standby_title(fd: int, parent: int) -> str:
+    """What ``ps`` shows for a standby that waits for its worker: its command line."""
+    return " ".join([sys.executable, "-m", "inprocess.failover.standby", str(fd), str(parent)])
+
+
 def main(argv: list[str] | None = None) -> int:
     args = list(argv or sys.argv[1:])
     if args and args[0] == ZYGOTE_FLAG:
@@ -458,6 +468,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return zygote_main(int(args[1]), int(args[2]))
     fd, parent = (int(a) for a in args[:2])
+    set_title(standby_title(fd, parent), "inproc-standby")  # (its room argument hidden)
     _die_with_parent(signal.SIGKILL)
     if os.getppid() != parent:  # the backend died before the tie was made
         return 0
@@ -466,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed
 
-    import inprocess  # noqa: F401
+    import inprocess.wrap  # noqa: F401  (the Wrapper's modules: most of a second)
 
     del torch
     return serve(sock)
@@ -500,6 +511,8 @@ def serve(sock: socket.socket) -> int:
     if not message["die_with_parent"]:
         _die_with_parent(0)
     command = message["argv"][1:]
+    # ps, pgrep -f, py-spy: the command line a fresh worker would show
+    set_title(worker_title(message["argv"]), os.path.basename(message["argv"][0]))
     del message, received
     import runpy
 

@@ -62,6 +62,9 @@ VERSION = 1
 STATE_FILENAME = "state.json"
 #: number of recent events kept in :attr:`JobState.events`
 MAX_EVENTS = 200
+#: a worker's exit code when its GPU faulted and it left the job
+#: (``inprocess.device_fault.EXIT_CODE``; this layer does not import the Wrapper's)
+GPU_FAULT_EXIT_CODE = 75
 
 
 class Stage(str, enum.Enum):

@@ -43,7 +43,6 @@ Run as ``python -m inprocess.failover.standby --zygote SOCKET_FD PARENT_PID``.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import gc
 import json
 import logging
@@ -58,6 +57,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ..proctitle import set_title
+
 log = logging.getLogger(__name__)
 
 #: a standby environment's variables that differ between the slots one zygote serves
@@ -68,11 +69,19 @@ ZYGOTE_FLAG = "--zygote"
 #: status is the subreaper's record (:meth:`LocalBackend.exit_of`)
 ORPHANED = 1 << 16
 #: seconds a fork request may take to be answered (a fork takes milliseconds)
-FORK_TIMEOUT = 30.0
+FORK_TIMEOUT = 10.0
+#: seconds the zygote may take to report the status of a child that ended (it
+#: reaps at once): a zygote that does not (stopped, hung) is killed, and the
+#: child's status is the subreaper's record (:data:`ORPHANED`)
+REPORT_TIMEOUT = 5.0
+#: seconds between a zygote's death and a child's end seen as one fault (see
+#: :meth:`ZygoteChild.ended_with_zygote`)
+WITH_ZYGOTE = 2.0
 _MAX_MESSAGE = 1 << 20
 _MAX_FDS = 8
 #: bytes of the zygote's command line kept for the command lines of what it forks
-ARGV_ROOM = 512
+#: (room for a worker's command line too: a standby shows it once it is one)
+ARGV_ROOM = 2048
 
 
 def zygote_env(env: dict[str, str]) -> dict[str, str]:
@@ -103,16 +112,32 @@ class ZygoteChild:
         self.close()
 
     def wait(self, timeout: float | None = None) -> int:
+        """The child's status once it ended (``subprocess.Popen.wait``).
+
+        Invariant: never waits on the zygote without a bound. Once the child
+        has ended (its pidfd says so), the zygote has :data:`REPORT_TIMEOUT` to
+        report its status; a zygote that does not is killed (:meth:`Zygote.abandon`),
+        which hands the child to the subreaper: :data:`ORPHANED` then.
+        """
         deadline = None if timeout is None else time.monotonic() + timeout
+        ended_at: float | None = None
         while self.poll() is None:
-            left = None if deadline is None else deadline - time.monotonic()
+            now = time.monotonic()
+            left = None if deadline is None else deadline - now
             if left is not None and left <= 0:
                 raise subprocess.TimeoutExpired(str(self.pid), timeout or 0.0)
             step = 0.1 if left is None else min(left, 0.1)
             if self._zygote.lost:
                 select.select([self.pidfd], [], [], step)
-            else:
-                self._zygote.pump(step)
+                continue
+            if ended_at is None and _has_ended(self.pidfd):
+                ended_at = now
+            if ended_at is not None and now - ended_at > REPORT_TIMEOUT:
+                self._zygote.abandon(
+                    f"no exit report for its child {self.pid} within {REPORT_TIMEOUT:.3g}s"
+                )
+                continue
+            self._zygote.pump(step)
         assert self.returncode is not None
         return self.returncode
 
@@ -120,6 +145,19 @@ class ZygoteChild:
         if self.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+
+    def ended_with_zygote(self) -> bool:
+        """Whether this child ended (:data:`ORPHANED`) within :data:`WITH_ZYGOTE`
+        seconds of its zygote's own death (one we did not cause): both killed
+        together, say, which is a fault of the machinery rather than of the
+        child."""
+        zygote = self._zygote
+        return (
+            self.returncode == ORPHANED
+            and not zygote.ended_by_us
+            and zygote.lost_at is not None
+            and time.monotonic() - zygote.lost_at <= WITH_ZYGOTE
+        )
 
     def close(self) -> None:
         """Closes the pidfd (done once the child's status is known)."""
@@ -165,6 +203,9 @@ class Zygote:
         self.started = time.monotonic()
         self._ready = False
         self.lost = False  # the zygote died: its children are the subreaper's now
+        #: ``time.monotonic()`` when it was found lost, and whether we ended it
+        self.lost_at: float | None = None
+        self.ended_by_us = False
         self._children: dict[int, ZygoteChild] = {}
 
     def ready(self) -> bool:
@@ -253,8 +294,8 @@ class Zygote:
                     break
                 self._exited(reply)
         except (OSError, ValueError) as ex:
-            log.warning("standby zygote %d is gone: %s", self.process.pid, ex)
-            self._lose()
+            # (a zygote that did not answer is killed: it would hold its standbys)
+            self.abandon(f"is gone or does not answer: {ex}")
             return None
         if reply["pid"] is None or not got:
             for fd in got:
@@ -295,10 +336,20 @@ class Zygote:
     def _lose(self) -> None:
         if not self.lost:
             self.lost = True
+            self.lost_at = time.monotonic()
             self._sock.close()
+
+    def abandon(self, reason: str) -> None:
+        """Kills a zygote that does not answer (stopped, hung): :meth:`close`, logged.
+        Its children that had ended are the subreaper's to reap and record."""
+        if self.process.poll() is None:
+            log.warning("standby zygote %d: %s; killing it", self.process.pid, reason)
+        self.close()
 
     def close(self) -> None:
         """Ends the zygote; its standbys die with it, its workers run on."""
+        if not self.lost:
+            self.ended_by_us = True
         self._lose()
         if self.process.poll() is None:
             with contextlib.suppress(ProcessLookupError):
@@ -322,14 +373,13 @@ def main(fd: int, parent: int) -> int:
     sock = socket.socket(fileno=fd)
     if os.getppid() != parent:  # the backend died before the tie was made
         return 0
-    _show_argv(
-        [sys.executable, "-m", "inprocess.failover.standby", ZYGOTE_FLAG, str(fd), str(parent)]
-    )
+    argv = [sys.executable, "-m", "inprocess.failover.standby", ZYGOTE_FLAG, str(fd), str(parent)]
+    set_title(" ".join(argv), "inproc-zygote")  # (its room argument hidden)
     # The warm imports of a standby. No threads, no CUDA, no process group.
     import torch
     import torch.distributed
 
-    import inprocess  # noqa: F401
+    import inprocess.wrap  # noqa: F401  (the Wrapper's modules: most of a second)
 
     del torch
     # What the imports made is shared with every fork until written to. The
@@ -384,7 +434,7 @@ def main(fd: int, parent: int) -> int:
 
 def _standby(env: dict[str, str], fd: int, parent: int) -> int:
     """This forked child becomes a standby of ``env``, as if spawned so."""
-    from .standby import _die_with_parent, _show_environ, serve
+    from .standby import _die_with_parent, _show_environ, serve, standby_title
 
     os.setsid()  # a spawned standby has its own session and process group
     _die_with_parent(signal.SIGKILL)
@@ -393,7 +443,7 @@ def _standby(env: dict[str, str], fd: int, parent: int) -> int:
     os.environ.clear()
     os.environ.update(env)
     _show_environ(env)
-    _show_argv([sys.executable, "-m", "inprocess.failover.standby", str(fd), str(parent)])
+    set_title(standby_title(fd, parent), "inproc-standby")
     return serve(socket.socket(fileno=fd))
 
 
@@ -416,26 +466,11 @@ def _module(request: dict[str, Any], fds: list[int], parent: int) -> int:
     os.environ.clear()
     os.environ.update(env)
     _show_environ(env)
-    _show_argv([sys.executable, "-m", request["module"], *args])
+    # the command line a spawned one shows, and its name (not the zygote's)
+    set_title(
+        " ".join([sys.executable, "-m", request["module"], *args]),
+        os.path.basename(sys.executable),
+    )
     sys.argv = [request["module"], *args]
     runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
     return 0
-
-
-def _show_argv(argv: list[str]) -> bool:
-    """Shows ``argv`` as our command line in ``/proc/PID/cmdline`` (``ps``,
-    ``psutil``), written over the zygote's (which has room for it, see
-    :data:`ARGV_ROOM`); ``False`` if it does not fit.
-
-    Written the way ``setproctitle`` writes a title: the arguments joined by
-    spaces and ended by a NUL, the area's last byte not NUL; the kernel then
-    shows the title alone, which tools split at the spaces.
-    """
-    from .standby import _own_area
-
-    start, end = _own_area(48)  # arg_start, arg_end
-    title = " ".join(argv).encode(errors="surrogateescape") + b"\0"
-    if start <= 0 or len(title) + 1 > end - start:
-        return False
-    ctypes.memmove(start, title.ljust(end - start - 1, b"\0") + b".", end - start)
-    return True

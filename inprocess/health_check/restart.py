@@ -14,8 +14,8 @@ Each check looks at the devices of this rank only (``device_index``, default
 
 Where NVML, the GPU or the NIC counters are absent (a CPU machine), a check
 passes and says once, at INFO, why it checked nothing.
-:func:`restart_health_checks` chains them with the user's check: NVLink, GPU,
-NIC (where the node has InfiniBand counters), then the user's.
+:func:`restart_health_checks` chains them with the user's check: GPU, NVLink,
+NIC, then the user's.
 
 Each takes either generation's arguments (``(state, exception)`` or
 ``(frozen_state)``) and returns them unchanged.
@@ -215,11 +215,12 @@ def restart_health_checks(
 ) -> Compose | None:
     """The restart health check of a rank: its device checks, then ``user``'s.
 
-    Runs ``ChainedNVLHealthCheck``, ``ChainedGPUHealthCheck``, then (``nic``)
+    Runs ``ChainedGPUHealthCheck``, ``ChainedNVLHealthCheck``, then (``nic``)
     ``ChainedNicHealthCheck``, then the user's check(s) (a ``Compose`` is
     flattened): the device checks first, so that a user's check that uses the
-    device meets a device already known to be usable. ``nic=None`` includes the
-    NIC check where the node has InfiniBand port counters. ``device_index``
+    device meets a device already known to be usable. ``nic=None`` (as the
+    Wrapper builds it) or ``True`` includes the NIC check, which passes where the
+    node has no InfiniBand port counters; ``False`` leaves it out. ``device_index``
     defaults to ``LOCAL_RANK``; without either, ``None`` (no device to check).
     """
     _check_index(device_index)
@@ -230,12 +231,11 @@ def restart_health_checks(
     checks: list[Any] = []
     if user is not None:
         checks += user.instances if isinstance(user, Compose) else [user]
-    nic_check = ChainedNicHealthCheck(device_index=device_index) if nic is not False else None
-    if nic_check is not None and (nic or nic_check.has_ports()):
-        checks.append(nic_check)
-    checks.append(ChainedGPUHealthCheck(device_index=device_index))
+    if nic is not False:
+        checks.append(ChainedNicHealthCheck(device_index=device_index))
     checks.append(ChainedNVLHealthCheck(device_index=device_index))
-    # Compose runs the last listed first: NVLink, GPU, NIC, then the user's.
+    checks.append(ChainedGPUHealthCheck(device_index=device_index))
+    # Compose runs the last listed first: GPU, NVLink, NIC, then the user's.
     return Compose(*checks)
 
 

@@ -28,7 +28,9 @@ import functools
 import heapq
 import json
 import logging
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 from .. import protocol
 from ..exception import InternalError
@@ -41,9 +43,11 @@ log = logging.getLogger(__name__)
 __all__ = [
     "Layer",
     "LayerFlag",
+    "RootKeyError",
     "Topology",
     "Tree",
     "TreeAssignment",
+    "TreeNode",
     "initial_assignment",
     "next_assignment",
 ]
@@ -69,6 +73,14 @@ class LayerFlag(enum.Flag):
 
 
 _MISSING = object()
+
+
+class RootKeyError(ValueError, RuntimeError):
+    """The ranks do not share the root layer's key.
+
+    A ``ValueError`` (a bad input) that is also the ``RuntimeError`` the API's
+    newer generation raises for it.
+    """
 
 
 @dataclasses.dataclass
@@ -170,7 +182,7 @@ class Topology:
         roots = {path[0] for path in paths}
         if len(roots) != 1:
             shown = sorted(roots)[:4]
-            raise ValueError(
+            raise RootKeyError(
                 "Tree: the first layer is the root, its key must be the same on every rank; "
                 f"got {len(roots)} different keys, e.g. {shown}"
             )
@@ -366,7 +378,8 @@ def next_assignment(
     exceeds its ``max_ranks``: every lost rank's lowest group is searched
     before any group a layer up, and so on, lost ranks by increasing active
     rank within a layer; (3) gaps still open
-    are backfilled from the backfill domain's highest active ranks; (4) the
+    are backfilled from the backfill domain's highest active ranks, the lowest
+    of them into the lowest gap; (4) the
     remaining gaps are closed by shifting the active ranks down; (5) the active
     ranks are trimmed by ``world_size_filter``.
 
@@ -459,10 +472,12 @@ def next_assignment(
             movers = heapq.nlargest(
                 len(domain_holes), map(slot_of.__getitem__, _positions(status, _ACTIVE, lo, hi))
             )
-            # Holes ascending, movers descending: a mover only moves down.
+            # The domain's highest active ranks, in increasing order, fill its
+            # holes in increasing order (as the newer generation pairs them; a
+            # mover below its hole moves up, and the shift then closes the gap
+            # it left). Holes past the movers stay open for the shift.
+            movers.reverse()
             for hole, mover_slot in zip(domain_holes, movers, strict=False):
-                if mover_slot <= hole:
-                    break
                 mover = active_leaves[mover_slot]
                 active_leaves[hole] = mover
                 active_leaves[mover_slot] = None
@@ -640,6 +655,24 @@ class Tree(RankAssignment):
     Tree does the whole job: compose it with no other rank assignment or rank
     filter. Ranks that join a running job are not part of the tree.
 
+    The store in ``ctx.store`` on the first call: the Wrapper's own (an
+    :class:`inprocess.store.StoreMixin`) exchanges the surviving ranks' keys in
+    one gather. Any other store is used as the newer generation uses it,
+    through ``send_state(state, rank)``, ``get_states(ranks)``,
+    ``send_key(keys, rank)`` and ``get_keys(ranks)`` only (a caller or a test
+    may pass a stand-in that answers for every rank): the tree holds all
+    ``world_size`` ranks, ranks lost before the first call included, and ranks
+    are numbered as that generation numbers them: ``state.rank`` is the rank's
+    place among the surviving ranks in tree order (the numbering the next
+    call's ``terminated_ranks`` use), ``state.active_rank`` its active rank,
+    and every call is a new assignment. A topology whose order differs from
+    the launch order then warns (``UserWarning``).
+
+    :attr:`init_rank_map` shows every rank's assigned state after a call:
+    ``tree.init_rank_map[initial_rank].state`` (``rank``, ``world_size``,
+    ``active_rank``, ``active_world_size``, ``mode``; a terminated rank has
+    ``rank`` and ``active_rank`` ``None`` and ``mode`` ``TERMINATED``).
+
     Example, hosts of 8 ranks, at most 256 active ranks, reserve ranks taken
     from any host, the job given up under 128 healthy ranks::
 
@@ -687,6 +720,22 @@ class Tree(RankAssignment):
         self._result: TreeAssignment | None = None
         #: the build-time ranks of the survivors, in rank order (the topology's input order)
         self._origins: list[int] = []
+        #: True: the store of the first call was not the Wrapper's (see the class docs)
+        self._generic = False
+        self._initial_world_size = 0
+        self._iteration = 0
+        self._leaf_of_initial: dict[int, int] = {}
+        self._rank_map: _RankMap | None = None
+
+    @property
+    def init_rank_map(self) -> Mapping[int, TreeNode]:
+        """Initial rank -> the :class:`TreeNode` of that rank, whose ``state`` is what the
+        last call assigned to it; empty before the first call."""
+        if self.topology is None or self._result is None:
+            return {}
+        if self._rank_map is None or self._rank_map.result is not self._result:
+            self._rank_map = _RankMap(self, self._result)
+        return self._rank_map
 
     def __repr__(self) -> str:
         return f"Tree({list(self.layers)!r}, world_size_filter={self.world_size_filter!r})"
@@ -697,6 +746,10 @@ class Tree(RankAssignment):
                 "Tree is a rank assignment of the newer generation: call it with a "
                 f"RankAssignmentCtx(state, store, terminated_ranks), got {type(ctx).__name__}"
             )
+        if self.topology is None:
+            self._generic = not isinstance(ctx.store, StoreMixin)
+        if self._generic:
+            return self._call_generic(ctx)
         state = ctx.state
         # Validates the ranks; a lost rank takes no part (it raises RankDiscarded).
         terminated = set(_checked(state, ctx.terminated_ranks))
@@ -731,14 +784,120 @@ class Tree(RankAssignment):
                 f"rank {state.rank} (initial rank {state.initial_rank}) is in a group of the "
                 "Tree that fell under its min_ranks"
             )
+        self._iteration = state.iteration
         new = state.copy()
         new.rank = rank
         new.world_size = result.world_size
         new.active_world_size = result.active_world_size
         new.mode = Mode.ACTIVE if rank < result.active_world_size else Mode.INACTIVE
+        new.active_rank = rank if new.mode == Mode.ACTIVE else None
         ctx.state = new
         ctx.terminated_ranks = set()
         return ctx
+
+    def _call_generic(self, ctx: RankAssignmentCtx) -> RankAssignmentCtx:
+        """A call with a store other than the Wrapper's: the newer generation's numbering."""
+        state = ctx.state
+        try:
+            terminated = set(_checked(state, ctx.terminated_ranks))
+        except RankDiscarded:  # computed for every rank all the same (init_rank_map)
+            terminated = set(ctx.terminated_ranks)
+        if self.topology is None or self._result is None:
+            self._build_generic(ctx)
+            assert self.topology is not None
+            if terminated:
+                # Terminations at the first call: the tree is built over every rank
+                # first, then the losses are handled as after any iteration.
+                initial = initial_assignment(self.topology)
+                lost = [initial.ranks[self.topology.leaf_of_origin[r]] for r in terminated]
+                result = next_assignment(
+                    self.topology, initial,
+                    [r for r in lost if r is not None], self.world_size_filter,
+                )
+            else:
+                result = initial_assignment(self.topology, self.world_size_filter)
+        else:
+            base = self._result
+            survivors = _positions_not(base.status, _TERMINATED)
+            if state.world_size != len(survivors):
+                raise InternalError(
+                    f"Tree: the iteration that ended had {state.world_size} ranks, but Tree "
+                    f"numbered {len(survivors)}; Tree must be the only rank assignment"
+                )
+            ours = base.ranks
+            result = next_assignment(
+                self.topology, base, [ours[survivors[r]] for r in terminated],
+                self.world_size_filter,
+            )
+        self._base, self._result = None, result
+        self._iteration = state.iteration
+        leaf = self._leaf_of_initial.get(state.initial_rank)
+        if leaf is None:
+            raise InternalError(
+                f"Tree: initial rank {state.initial_rank} is not one of the tree's ranks"
+            )
+        if result.status[leaf] == _TERMINATED:
+            raise RankDiscarded(
+                f"rank {state.rank} (initial rank {state.initial_rank}) is terminated, or in a "
+                "group of the Tree that fell under its min_ranks"
+            )
+        new = state.copy()
+        new.rank = leaf - result.status.count(_TERMINATED, 0, leaf)
+        new.world_size = result.world_size
+        new.active_world_size = result.active_world_size
+        if result.status[leaf] == _ACTIVE:
+            new.mode, new.active_rank = Mode.ACTIVE, result.active_leaves.index(leaf)
+        else:
+            new.mode, new.active_rank = Mode.INACTIVE, None
+        ctx.state = new
+        ctx.terminated_ranks = set()
+        return ctx
+
+    def _build_generic(self, ctx: RankAssignmentCtx) -> None:
+        """Every rank's state and keys through the store's four exchange methods."""
+        state, store = ctx.state, ctx.store
+        missing = [name for name in _STORE_METHODS if not callable(getattr(store, name, None))]
+        if missing:
+            raise TypeError(
+                "Tree needs a store in ctx.store on its first call, to exchange the ranks' "
+                "keys: the Wrapper's (an inprocess.store.StoreMixin) or one with "
+                "send_state(state, rank), get_states(ranks), send_key(key, rank) and "
+                f"get_keys(ranks); got {type(store).__name__}, without {', '.join(missing)}"
+            )
+        keys = [layer.key(state) for layer in self.layers]
+        ranks = range(state.world_size)
+        store.send_state(state, state.rank)
+        states = list(store.get_states(ranks))
+        store.send_key(keys, state.rank)
+        all_keys = list(store.get_keys(ranks))
+        if len(states) != state.world_size or len(all_keys) != state.world_size:
+            raise InternalError(
+                f"Tree: the store returned {len(states)} states and {len(all_keys)} keys "
+                f"for {state.world_size} ranks"
+            )
+        paths = [[k if isinstance(k, str) else str(k) for k in key] for key in all_keys]
+        self.topology = Topology(self.layers, paths)
+        initial_ranks = [
+            s.initial_rank if getattr(s, "initial_rank", None) is not None else position
+            for position, s in enumerate(states)
+        ]
+        self._initial_ranks = [initial_ranks[p] for p in self.topology.origin]
+        self._origins = list(ranks)
+        self._initial_world_size = state.initial_world_size or state.world_size
+        if self.topology.origin != list(ranks):
+            first = next(
+                leaf for leaf, p in enumerate(self.topology.origin) if leaf != p
+            )
+            warnings.warn(
+                "Tree: the topology orders the ranks differently from their launch order "
+                f"(tree position {first} holds rank {self.topology.origin[first]})",
+                UserWarning,
+                stacklevel=4,
+            )
+        self._index_leaves()
+
+    def _index_leaves(self) -> None:
+        self._leaf_of_initial = {r: leaf for leaf, r in enumerate(self._initial_ranks)}
 
     def _origin_of(self, rank: int) -> int:
         return bisect.bisect_left(self._origins, rank)
@@ -761,11 +920,7 @@ class Tree(RankAssignment):
     def _build(self, ctx: RankAssignmentCtx, terminated: set[int]) -> None:
         """Exchanges every surviving rank's keys through the store; builds the topology."""
         state, store = ctx.state, ctx.store
-        if not isinstance(store, StoreMixin):
-            raise TypeError(
-                "Tree needs the Wrapper's store (an inprocess.store.StoreMixin) in ctx.store "
-                f"on its first call, to exchange the ranks' keys; got {type(store).__name__}"
-            )
+        assert isinstance(store, StoreMixin)  # the fast path's store (see __call__)
         keys = [layer.key(state) for layer in self.layers]
         prefix = "inprocess/tree"
         record = json.dumps([state.rank, state.initial_rank, keys])  # one line
@@ -785,5 +940,77 @@ class Tree(RankAssignment):
         self._origins = ranks
         self.topology = Topology(self.layers, [r[2] for r in records])
         self._initial_ranks = [records[p][1] for p in self.topology.origin]
+        self._initial_world_size = state.initial_world_size or state.world_size
+        self._index_leaves()
         if self.topology.origin != list(range(self.topology.size)):
             log.info("Tree: the topology orders the ranks differently from their launch order")
+
+
+#: what a store other than the Wrapper's must offer a :class:`Tree`
+_STORE_METHODS = ("send_state", "get_states", "send_key", "get_keys")
+
+
+def _positions_not(status: bytes, value: int) -> list[int]:
+    """The indexes of ``status`` that do not hold ``value``."""
+    return [i for i, v in enumerate(status) if v != value]
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeNode:
+    """One rank (a leaf) of a :class:`Tree`, as :attr:`Tree.init_rank_map` shows it.
+
+    Attributes:
+        initial_rank: the rank it was launched with.
+        leaf: its position in the tree (depth-first order).
+        state: what the tree's last call assigned to it.
+    """
+
+    initial_rank: int
+    leaf: int
+    state: State
+
+
+class _RankMap(Mapping):
+    """``Tree.init_rank_map``: initial rank -> :class:`TreeNode`, for one assignment.
+
+    Built when first read after a call (O(ranks)); each node's state is made
+    when it is read.
+    """
+
+    def __init__(self, tree: Tree, result: TreeAssignment) -> None:
+        self.result = result
+        self._tree = tree
+        status = result.status
+        self._active: list[int | None] = [None] * len(status)
+        for active_rank, leaf in enumerate(result.active_leaves):
+            self._active[leaf] = active_rank
+        if tree._generic:  # place among the survivors in tree order
+            ranks: list[int | None] = [None] * len(status)
+            for rank, leaf in enumerate(_positions_not(status, _TERMINATED)):
+                ranks[leaf] = rank
+            self._ranks: Sequence[int | None] = ranks
+        else:
+            self._ranks = result.ranks
+
+    def __getitem__(self, initial_rank: int) -> TreeNode:
+        leaf = self._tree._leaf_of_initial[initial_rank]
+        status = self.result.status[leaf]
+        state = State(rank=0, world_size=1)  # every field is set below, unchecked
+        state.rank = self._ranks[leaf]
+        state.world_size = self.result.world_size
+        state.active_world_size = self.result.active_world_size
+        state.active_rank = self._active[leaf]
+        state.initial_rank = initial_rank
+        state.initial_world_size = self._tree._initial_world_size
+        state.iteration = self._tree._iteration
+        state.mode = (Mode.ACTIVE, Mode.INACTIVE, Mode.TERMINATED)[status]
+        return TreeNode(initial_rank, leaf, state)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(sorted(self._tree._leaf_of_initial))
+
+    def __len__(self) -> int:
+        return len(self._tree._leaf_of_initial)
+
+    def __contains__(self, initial_rank: Any) -> bool:
+        return initial_rank in self._tree._leaf_of_initial

@@ -13,6 +13,7 @@ The machinery behind :meth:`inprocess.CallWrapper.restore` and
 """
 
 from .manager import SnapshotMismatch, Snapshots
+from .persist import SnapshotCorrupt, SnapshotTrustError
 from .rng import RNGState
 
-__all__ = ["RNGState", "SnapshotMismatch", "Snapshots"]
+__all__ = ["RNGState", "SnapshotCorrupt", "SnapshotMismatch", "SnapshotTrustError", "Snapshots"]

@@ -3,12 +3,13 @@
 A :class:`HostSnapshot` holds one state at one step: its skeleton (pickled per
 key) and every tensor's bytes in one flat ``uint8`` buffer, each tensor at an
 aligned offset. The buffer is reused from commit to commit (reallocated only
-when the state grows), pinned when the state has CUDA tensors so the
-device-to-host copy runs asynchronously on a side stream. Host tensors are
-copied by a :class:`HostCopier` thread while the next step begins (its
+when the state grows), pinned when the state has CUDA tensors. Host tensors
+are copied by a :class:`HostCopier` thread while the next step begins (its
 forward and backward pass read the state, they do not change it); the next
 optimizer step waits for the copy, and a copy whose source changed meanwhile
-(tensor version counters) is discarded, never restored.
+(tensor version counters) is discarded, never restored. CUDA tensors are
+copied by a :class:`DeviceCopier` on a side stream, beside the training
+stream (its docstring says when training waits for what).
 
 A :class:`SlotPair` holds two of them: the last complete snapshot and the one
 being written. Invariant: a snapshot's ``step`` is ``None`` from the moment
@@ -32,6 +33,7 @@ from typing import Any
 
 import torch
 
+from .. import device_fault
 from . import layout
 
 log = logging.getLogger(__name__)
@@ -57,7 +59,9 @@ class HostSnapshot:
         self.ranges: dict[str, tuple[int, int]] = {}
         self.nbytes = 0
         self.data = torch.empty(0, dtype=torch.uint8)
-        #: the asynchronous copy in flight: a CUDA event or a :class:`_ThreadCopy`
+        #: whether ``data`` is pinned (kept here: asking CUDA fails once its context broke)
+        self.pinned = False
+        #: the asynchronous copy in flight: a :class:`_DeviceCopy` or a :class:`_ThreadCopy`
         self._event: Any = None
         self._pending_step: int | None = None
         self._copier: HostCopier | None = None  # set before any copy is handed to it
@@ -71,6 +75,11 @@ class HostSnapshot:
             self._finish_async()
         return self.step is not None
 
+    @property
+    def in_flight(self) -> bool:
+        """Whether a copy into the buffer may still be running (never waits)."""
+        return self._event is not None
+
     def wait(self) -> None:
         """Waits for an asynchronous copy in flight to land."""
         if self._event is not None:
@@ -83,18 +92,26 @@ class HostSnapshot:
         # restore) and leaves the snapshot incomplete.
         event, self._event = self._event, None
         step, self._pending_step = self._pending_step, None
-        if isinstance(event, _ThreadCopy) and not event.intact():
+        if not event.intact():
             return
         self.step = step
 
     def invalidate(self) -> None:
-        """Marks the snapshot incomplete; first thing before its buffer is overwritten."""
+        """Marks the snapshot incomplete; first thing before its buffer is overwritten.
+
+        Never raises for a CUDA context that broke: the copy that may still write
+        into the buffer is abandoned with the buffer (see :mod:`inprocess.device_fault`).
+        """
         self.step = None
         self._pending_step = None
         if self._event is not None:
             # an in-flight copy still writes into the buffer: let it land first
-            self._event.synchronize()
-            self._event = None
+            event, self._event = self._event, None
+            try:
+                event.synchronize()
+            except Exception as ex:
+                device_fault.mark_broken(device_fault.cause_of(ex) or repr(ex))
+                self._abandon()
         elif self._copier is not None:
             # a copy handed to the thread by a fill that an exception interrupted
             # before it kept the copy's handle: the thread's queue is in order
@@ -102,8 +119,16 @@ class HostSnapshot:
 
     def release(self) -> None:
         self.invalidate()
-        self.data = torch.empty(0, dtype=torch.uint8)
+        if self.pinned and device_fault.broken() is not None:
+            self._abandon()
+        self.data, self.pinned = torch.empty(0, dtype=torch.uint8), False
         self.skeleton, self.refs, self.offsets, self.ranges, self.nbytes = {}, [], [], {}, 0
+
+    def _abandon(self) -> None:
+        """Gives the buffer up without freeing it: freeing pinned memory records an
+        event, which on a broken CUDA context aborts the process."""
+        device_fault.keep(self.data)
+        self.data, self.pinned = torch.empty(0, dtype=torch.uint8), False
 
     # ---------------------------------------------------------------- layout
 
@@ -120,14 +145,18 @@ class HostSnapshot:
             self.ranges[key] = (start, offset)
         self.nbytes = offset
 
-    def _reserve(self, nbytes: int, pin: bool) -> None:
-        if self.data.numel() >= nbytes and (not pin or self.data.is_pinned()):
+    def reserve(self, nbytes: int, pin: bool) -> None:
+        """Makes the buffer hold at least ``nbytes`` (pinned if asked): ahead of a
+        copy, so that allocating it (pinning is about 0.7 s per GB) is not
+        paid inside a later step."""
+        if self.data.numel() >= nbytes and (not pin or self.pinned):
             return
         capacity = max(nbytes, 1)
         if pin:
             self.data = torch.empty(capacity, dtype=torch.uint8, pin_memory=True)
         else:
             self.data = torch.empty(capacity, dtype=torch.uint8)
+        self.pinned = pin
 
     def _zero_padding(self) -> None:
         """Zeroes the alignment gaps: a snapshot's bytes are all defined (checksums)."""
@@ -155,23 +184,28 @@ class HostSnapshot:
         shard: int,
         state: Mapping[str, Any],
         copier: HostCopier | None = None,
+        device: DeviceCopier | None = None,
     ) -> None:
-        """Copies ``state`` in: CUDA tensors on a side stream, host tensors on
-        ``copier``'s thread or, without one, here; the snapshot completes when
-        the copy lands."""
+        """Copies ``state`` in: CUDA tensors on a side stream (by ``device``, or,
+        without one, with the training stream waiting for the copy at once),
+        host tensors on ``copier``'s thread or, without one, here; the snapshot
+        completes when the copy lands."""
         skeleton, tensors = layout.capture(state)
         self.invalidate()
         self.shard = shard
         self._plan(skeleton)
         on_cuda = any(t.is_cuda for t in tensors)
-        self._reserve(self.nbytes, pin=on_cuda and torch.cuda.is_available())
+        self.reserve(self.nbytes, pin=on_cuda and torch.cuda.is_available())
         self._zero_padding()
         self.skeleton = {
             k: pickle.dumps(v, protocol=pickle.HIGHEST_PROTOCOL) for k, v in skeleton.items()
         }
         views = self.views()
         if on_cuda:
-            self._copy_async(step, views, tensors)
+            self._pending_step = step
+            self._event = (device or DeviceCopier(synchronous=True)).submit(
+                views, self.offsets, self.nbytes, tensors
+            )
             return
         if copier is not None and copier.can_take(tensors):
             # subclasses (a __torch_function__ may run Python, a DTensor a
@@ -192,27 +226,6 @@ class HostSnapshot:
                 dst.copy_(src)
         self.step = step
 
-    def _copy_async(
-        self, step: int, views: list[torch.Tensor], tensors: list[torch.Tensor]
-    ) -> None:
-        # Invariant: the side stream starts after every kernel queued so far on
-        # the current stream (the state is final), and the current stream waits
-        # for the copy before anything queued later can modify the state.
-        stream = _side_stream()
-        current = torch.cuda.current_stream()
-        stream.wait_stream(current)
-        with torch.no_grad(), torch.cuda.stream(stream):
-            for dst, src in zip(views, tensors, strict=True):
-                if src.is_cuda:
-                    # the allocator must not hand src's memory out before the copy ran
-                    src.record_stream(stream)
-                dst.copy_(src, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(stream)
-        current.wait_event(event)
-        self._pending_step = step
-        self._event = event
-
     def assign(
         self, step: int, shard: int, skeleton: dict[str, bytes], refs: list[layout.TensorRef]
     ) -> torch.Tensor:
@@ -232,7 +245,7 @@ class HostSnapshot:
                 offset = _aligned(offset + _numel(ref) * _itemsize(ref.dtype))
             self.ranges[key] = (start, offset)
         self.nbytes = offset
-        self._reserve(self.nbytes, pin=False)
+        self.reserve(self.nbytes, pin=False)
         self._zero_padding()
         self._pending_step = step
         return self.data[: self.nbytes]
@@ -299,6 +312,259 @@ def _side_stream() -> Any:
     if stream is None:
         stream = _SIDE_STREAMS[device] = torch.cuda.Stream()
     return stream
+
+
+def use_staging(setting: bool | None, nbytes: int, free: int, total: int) -> bool:
+    """Whether a device copy stages the state on the GPU first.
+
+    ``setting`` is the user's (``None``: decide). Staging takes ``nbytes`` of
+    device memory for as long as the call runs, so it is used only where the
+    device has that free (outside the caching allocator's reserve, which holds
+    the training's own peak by the first commit) with a tenth of the device
+    to spare.
+    """
+    if setting is not None:
+        return setting
+    return free >= nbytes + total // 10
+
+
+class _DeviceCopy:
+    """One snapshot's copy from the GPU, in flight on the side stream; event-like
+    (``query``, ``synchronize``, ``intact``) as :class:`HostSnapshot` expects.
+
+    A copy not ``fenced`` at once reads the state itself while training goes
+    on: until the training stream waits for it (:meth:`fence`), the sources
+    are kept alive here (the allocator must not hand their memory out; no
+    ``record_stream``, which makes freeing that memory a CUDA call) and their
+    version counters are compared when the copy is fenced or seen landed.
+    """
+
+    def __init__(
+        self, copier: DeviceCopier, done: Any, sources: list[torch.Tensor], fenced: bool
+    ) -> None:
+        self._copier = copier
+        self._done = done
+        self._sources = [] if fenced else sources
+        self._versions = [] if fenced else [t._version for t in sources]
+        self.fenced = fenced
+        self.torn = False
+
+    def query(self) -> bool:
+        return bool(self._done.query())
+
+    def synchronize(self) -> None:
+        self._done.synchronize()
+
+    def fence(self) -> None:
+        """Makes the current stream wait for the copy before anything queued after
+        this call: the optimizer step that is about to change the state."""
+        if self.fenced:
+            return
+        self._check_sources()
+        torch.cuda.current_stream().wait_event(self._done)
+        self.fenced = True
+
+    def intact(self) -> bool:
+        """Whether the copy holds the state of its commit (call once it landed)."""
+        if not self.fenced:
+            # Not fenced yet: anything that changed a source since the commit may
+            # have run beside the copy (conservative: it may also have run after).
+            self._check_sources()
+        self._sources = []
+        return not self.torn
+
+    def _check_sources(self) -> None:
+        changed = [
+            i for i, (t, v) in enumerate(zip(self._sources, self._versions, strict=True))
+            if t._version != v
+        ]
+        self._sources, self._versions = [], []
+        if changed:
+            self.torn = True
+            self._copier.torn(len(changed))
+
+
+class DeviceCopier:
+    """Copies CUDA state into host snapshots on a side stream, beside training.
+
+    Where the training stream waits (the policy, in one place):
+
+    * **Staged** (the default where the device has room, :func:`use_staging`):
+      the state is first copied on the device into a staging buffer (HBM
+      bandwidth: about a millisecond per GB on an H100), the training stream
+      waits only for that, and the PCIe copy to the pinned host buffer runs
+      from the staging buffer while the next steps run. Nothing the training
+      does can tear it.
+    * **Fenced at the optimizer step** (no room for staging): the PCIe copy
+      reads the state itself; the forward and backward passes run beside it
+      and the training stream waits for it only at the next optimizer step (a
+      global optimizer-step pre-hook). A source changed before that (an
+      in-place update outside the optimizer step: batch-norm statistics, a
+      user's own) is caught by its version counter: that snapshot is
+      discarded, never restored, and the copier turns synchronous.
+    * **Synchronous**: the training stream waits for the whole copy at once
+      (the ring exchange of ``replicated=False``, and after a torn copy).
+
+    A commit that arrives while the previous copy is still in flight
+    (:meth:`busy`) is coalesced by the caller: it is skipped, and the next
+    commit after the copy landed takes the newer state. Training never waits
+    for PCIe then; a fault redoes the steps since the newest landed copy (at
+    most about ``copy time / step time + 1``).
+    """
+
+    def __init__(self, staging: bool | None = None, synchronous: bool = False) -> None:
+        self.staging = staging
+        self.synchronous = synchronous
+        #: commits skipped because the previous copy was still in flight
+        self.coalesced = 0
+        self._in_flight: list[_DeviceCopy] = []
+        self._stage: torch.Tensor | None = None
+        #: the size staging was refused at (``use_staging``): not asked again for it
+        self._no_stage_at: int | None = None
+        self._finalizer: weakref.finalize | None = None
+
+    # ------------------------------------------------------------ decisions
+
+    def busy(self) -> bool:
+        """Whether a copy of this copier has not landed yet (never waits)."""
+        self._in_flight = [c for c in self._in_flight if not c.query()]
+        return bool(self._in_flight)
+
+    def _staging_buffer(self, nbytes: int, device: torch.device) -> torch.Tensor | None:
+        if self.synchronous or self.staging is False:
+            return None
+        stage = self._stage
+        if stage is not None and stage.numel() >= nbytes and stage.device == device:
+            return stage
+        if self._no_stage_at == nbytes:
+            return None
+        free, total = torch.cuda.mem_get_info(device)
+        if stage is not None:
+            free += stage.numel()
+        if not use_staging(self.staging, nbytes, free, total):
+            self._no_stage_at = nbytes
+            log.info(
+                "snapshots of %.2f GB are copied without staging: %.2f GB free on %s "
+                "(the optimizer step waits for each copy)",
+                nbytes / 1e9, free / 1e9, device,
+            )
+            return None
+        if stage is not None:
+            # a copy in flight may still read the old buffer
+            _side_stream().synchronize()
+            self._stage = stage = None
+        try:
+            # allocated on the side stream: its memory is reused only by that stream
+            with torch.cuda.stream(_side_stream()):
+                stage = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        except torch.cuda.OutOfMemoryError:
+            self._no_stage_at = nbytes
+            log.info("no room on %s to stage snapshots of %.2f GB", device, nbytes / 1e9)
+            return None
+        self._stage = stage
+        return stage
+
+    # ------------------------------------------------------------ copying
+
+    def submit(
+        self,
+        views: list[torch.Tensor],
+        offsets: list[int],
+        nbytes: int,
+        tensors: list[torch.Tensor],
+    ) -> _DeviceCopy:
+        """Starts copying ``tensors`` into ``views`` (host, pinned; at ``offsets``
+        of a ``nbytes`` buffer); host tensors are copied here, at once."""
+        on_cuda = [i for i, t in enumerate(tensors) if t.is_cuda]
+        current = torch.cuda.current_stream()
+        device = current.device
+        stage = None
+        if all(tensors[i].device == device for i in on_cuda):
+            stage = self._staging_buffer(nbytes, device)
+        stream = _side_stream()
+        # Invariant: the side stream starts after every kernel queued so far on
+        # the current stream (the state is final), and the current stream waits
+        # for `fence` before anything that changes the state (at once, or at the
+        # optimizer step: `fence()`).
+        stream.wait_stream(current)
+        with torch.no_grad(), torch.cuda.stream(stream):
+            fence = None
+            if stage is not None:
+                staged = []
+                for i in on_cuda:
+                    t, n = tensors[i], views[i].numel() * views[i].element_size()
+                    view = stage[offsets[i] : offsets[i] + n].view(t.dtype).view(t.shape)
+                    view.copy_(t)
+                    staged.append(view)
+                fence = torch.cuda.Event()
+                fence.record(stream)
+                for i, view in zip(on_cuda, staged, strict=True):
+                    views[i].copy_(view, non_blocking=True)
+            else:
+                for i in on_cuda:
+                    views[i].copy_(tensors[i], non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        for i, t in enumerate(tensors):
+            if not t.is_cuda:
+                views[i].copy_(t)
+        at_once = stage is not None or self.synchronous
+        if at_once:
+            current.wait_event(fence if fence is not None else done)
+        copy = _DeviceCopy(self, done, [tensors[i] for i in on_cuda], fenced=at_once)
+        if not at_once:
+            self._hook_optimizer()
+        self._in_flight.append(copy)
+        return copy
+
+    def fence_all(self) -> None:
+        """Fences every copy in flight (the optimizer-step pre-hook)."""
+        for copy in self._in_flight:
+            copy.fence()
+
+    def torn(self, n: int) -> None:
+        if not self.synchronous:
+            self.synchronous = True
+            log.warning(
+                "a snapshot's source changed on the GPU while it was copied (%d tensors "
+                "modified in place outside the optimizer step, before the next commit): "
+                "that snapshot is discarded and later commits make training wait for "
+                "their copy",
+                n,
+            )
+
+    def _hook_optimizer(self) -> None:
+        if self._finalizer is not None:
+            return
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        # the hook holds the copier weakly: a copier never closed is still collected
+        hook = register_optimizer_step_pre_hook(
+            functools.partial(_fence_before_step, weakref.ref(self))
+        )
+        self._finalizer = weakref.finalize(self, hook.remove)
+
+    def close(self) -> None:
+        """Waits for the copies in flight, removes the hook, frees the staging
+        buffer. Never raises for a CUDA context that broke (it is recorded)."""
+        copies, self._in_flight = self._in_flight, []
+        for copy in copies:
+            try:
+                copy.synchronize()
+            except Exception as ex:
+                device_fault.mark_broken(device_fault.cause_of(ex) or repr(ex))
+        if self._finalizer is not None:
+            self._finalizer()
+            self._finalizer = None
+        if self._stage is not None and device_fault.broken() is not None:
+            device_fault.keep(self._stage)
+        self._stage = None
+
+
+def _fence_before_step(ref: weakref.ref[DeviceCopier], _optimizer: Any, _a: Any, _k: Any) -> None:
+    copier = ref()
+    if copier is not None and copier._in_flight:
+        copier.fence_all()
 
 
 class _ThreadCopy:

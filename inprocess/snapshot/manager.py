@@ -17,7 +17,8 @@ import time
 from typing import Any
 
 from . import layout, persist, policy, transfer
-from .buffers import HostCopier, HostSnapshot, SlotPair
+from .buffers import DeviceCopier, HostCopier, HostSnapshot, SlotPair
+from .persist import SnapshotCorrupt, SnapshotTrustError
 
 log = logging.getLogger(__name__)
 
@@ -29,11 +30,19 @@ class SnapshotMismatch(RuntimeError):
 class Snapshots:
     """This rank's snapshots for one call (see the module's docstring)."""
 
-    def __init__(self, snapshot_dir: str | None = None, persist_every: int | None = None) -> None:
+    def __init__(
+        self,
+        snapshot_dir: str | None = None,
+        persist_every: int | None = None,
+        staging: bool | None = None,
+    ) -> None:
         self.snapshot_dir = snapshot_dir
         self.own = SlotPair()
         self.buddy = SlotPair()  # the ring predecessor's shard (replicated=False)
         self._copier = HostCopier()
+        self._device = DeviceCopier(staging)
+        #: a due step's disk write that a coalesced commit skipped: the next commit's
+        self._persist_owed = False
         self.replicated = True
         self.newest: int | None = None  # newest step committed (or restored) here
         self._commit_times: collections.deque[float] = collections.deque(maxlen=11)
@@ -47,17 +56,44 @@ class Snapshots:
         )
         self.last_restore: dict[str, Any] | None = None
         self._closed = False
+        #: the authentic markers and the rejected ones of the last scan of the disk
+        self._markers: dict[tuple[int, int], dict[str, Any]] = {}
+        self._rejected_markers: list[tuple[int, int, str]] = []
+        self._root_ready = False  # snapshot_dir made (or found) ours and private
 
     # ---------------------------------------------------------------- what this rank holds
 
-    def holdings(self) -> policy.Holdings:
+    def holdings(self, unusable: frozenset[tuple[int, int]] = frozenset()) -> policy.Holdings:
+        """What this rank holds; ``unusable``: ``(shard, step)`` on disk that failed a read.
+
+        Raises:
+            SnapshotTrustError: see :func:`persist.scan`.
+        """
+        held = self._in_memory()
+        found = persist.scan(self.snapshot_dir)
+        self._markers = found.complete
+        self._rejected_markers = found.rejected
+        disk = set(found.complete) - unusable
+        return policy.Holdings(frozenset(held), frozenset(disk), self.newest)
+
+    def _in_memory(self) -> set[tuple[int, int]]:
         held = set()
         for pair in (self.own, self.buddy):
             for s in pair.slots:
                 s.wait()
             held |= {(s.shard, s.step) for s in pair.held()}
-        disk = persist.complete(self.snapshot_dir)
-        return policy.Holdings(frozenset(held), frozenset(disk), self.newest)
+        return held
+
+    def _describe(
+        self, unusable: frozenset[tuple[int, int]]
+    ) -> tuple[policy.Holdings, str | None, list[tuple[int, int, str]]]:
+        """This rank's holdings, why its ``snapshot_dir`` is refused (``None``: it is
+        not), and the markers it did not trust: what every rank shares."""
+        try:
+            return self.holdings(unusable), None, list(self._rejected_markers)
+        except SnapshotTrustError as ex:
+            held = frozenset(self._in_memory())
+            return policy.Holdings(held, frozenset(), self.newest), str(ex), []
 
     def _find(self, shard: int, step: int) -> HostSnapshot | None:
         for pair in (self.own, self.buddy):
@@ -91,26 +127,89 @@ class Snapshots:
         self._group, self._group_iteration = pg, iteration
         rank, world = _rank_world(pg)
         self._rank, self._world = rank, world
-        mine = self.holdings()
-        described = transfer.all_gather((replicated, mine, self.step_seconds()), pg)
-        # Timed from here, where every rank has arrived: not the ranks' skew in
-        # reaching restore (process start, init_process_group).
-        started = time.monotonic()
-        modes = {r: d[0] for r, d in enumerate(described)}
-        if len(set(modes.values())) > 1:
-            raise ValueError(f"restore(replicated=...) must be the same on every rank, got {modes}")
+        moved = 0
+        slot: HostSnapshot | None = None
+        started: float | None = None
+        #: every rank's snapshots on disk that failed their checks: the same list on every rank
+        rejected: list[dict[str, Any]] = []
+        unusable: frozenset[tuple[int, int]] = frozenset()  # this rank's reads that failed
+        # Invariant: every rank plans from the same gathered holdings, and a snapshot
+        # read from disk is used only once every rank has said its own read passed
+        # its checks; a read that failed anywhere is dropped from that rank's
+        # holdings and every rank plans again (an older step, or the same step from
+        # a peer that read it intact). Each round drops one (shard, step) at least.
+        while True:
+            mine, refusal, untrusted = self._describe(unusable)
+            described = transfer.all_gather(
+                (replicated, mine, self.step_seconds(), refusal, untrusted), pg
+            )
+            if started is None:
+                # Timed from here, where every rank has arrived: not the ranks' skew in
+                # reaching restore (process start, init_process_group).
+                started = time.monotonic()
+                modes = {r: d[0] for r, d in enumerate(described)}
+                if len(set(modes.values())) > 1:
+                    raise ValueError(
+                        f"restore(replicated=...) must be the same on every rank, got {modes}"
+                    )
+                for r, d in enumerate(described):
+                    rejected += [
+                        {"rank": r, "step": st, "shard": sh, "reason": why}
+                        for sh, st, why in d[4]
+                    ]
+            _raise_refused([d[3] for d in described], rank)
+            holdings = [d[1] for d in described]
+            plan = policy.plan(holdings, replicated)
+            step, shard, source = plan.step, plan.shards[rank], plan.sources[rank]
+            if not any(s.kind == policy.DISK for s in plan.sources):
+                break
+            failure = refusal = None
+            if source.kind == policy.DISK:
+                assert self.snapshot_dir is not None
+                slot = self.own.writable()
+                try:
+                    moved += persist.read(
+                        self.snapshot_dir, step, shard, slot, self._markers[(shard, step)]
+                    )
+                except persist.Unusable as ex:
+                    failure = str(ex)
+                except SnapshotTrustError as ex:
+                    refusal = str(ex)
+                except Exception as ex:  # every rank must reach the exchange below
+                    slot.invalidate()
+                    failure = f"cannot load step {step} shard {shard}: {ex!r}"
+            failures = transfer.all_gather((failure, refusal), pg)
+            _raise_refused([f[1] for f in failures], rank)
+            if not any(f[0] for f in failures):
+                break
+            for r, (why, _refused) in enumerate(failures):
+                if why:
+                    rejected.append(
+                        {"rank": r, "step": step, "shard": plan.shards[r], "reason": why}
+                    )
+            if failure is not None:
+                log.warning("snapshot of step %d not restored from disk: %s", step, failure)
+                unusable = unusable | {(shard, step)}
+            slot = None
+        if rejected and rank == 0:
+            log.warning(
+                "snapshots on disk failed their checks and were not restored: %s",
+                "; ".join(_describe_rejected(r) for r in rejected),
+            )
+        if step == 0 and rejected:
+            raise SnapshotCorrupt(
+                f"no intact snapshot to restore in snapshot_dir {self.snapshot_dir} (nor in "
+                "memory): "
+                + "; ".join(_describe_rejected(r) for r in rejected)
+                + ". Nothing was restored; remove those step directories to start from step 0"
+            )
         self.replicated = replicated
-        holdings = [d[1] for d in described]
-        plan = policy.plan(holdings, replicated)
-        step, shard, source = plan.step, plan.shards[rank], plan.sources[rank]
         if step == 0 and any(h.memory or h.disk for h in holdings) and rank == 0:
             log.warning(
                 "no step of the state is available to every rank (held: %s): starting from "
                 "step 0; with replicated=False, a rank and its ring buddy were lost together",
                 sorted({x for h in holdings for x in (*h.memory, *h.disk)}),
             )
-        moved = 0
-        slot: HostSnapshot | None = None
         transfers = plan.transfers()
         sent: dict[int, dict[str, int]] = {}
         if transfers:
@@ -143,10 +242,7 @@ class Snapshots:
                 own = self.own.writable()
                 own.copy_from(slot)
                 slot = own
-        elif source.kind == policy.DISK:
-            slot = self.own.writable()
-            assert self.snapshot_dir is not None
-            moved += persist.read(self.snapshot_dir, step, shard, slot)
+        # (policy.DISK: read and checked above)
         if step > 0:
             # Snapshots newer than the restored step belong to a future that is redone.
             self.own.drop_from(step + 1)
@@ -175,6 +271,8 @@ class Snapshots:
         }
         if mismatch:
             record["mismatch"] = [{"rank": r, "key": k} for r, k in mismatch]
+        if rejected:
+            record["rejected"] = rejected
         self.last_restore = record
         if mismatch:
             if any(r == rank for r, _k in mismatch) and slot is not None:
@@ -198,12 +296,40 @@ class Snapshots:
             self._rank, self._world = _default_rank_world()
         shard = 0 if self.replicated else self._rank
         ring = not self.replicated and self._world > 1 and self._group is not None
+        p = self._persister
+        due = p is not None and p.due(step) and (not self.replicated or self._rank == 0)
+        if due and not self._root_ready:
+            assert p is not None
+            try:
+                persist.prepare(p.root)  # refused here, before anything is written: one clear error
+            except OSError as ex:  # (the writer reports its own failures: never a fault)
+                log.warning("cannot create snapshot_dir %s: %s", p.root, ex)
+            self._root_ready = True
+        self.newest = step
+        self._commit_times.append(time.monotonic())
+        if not ring and self._device.busy():
+            # The previous CUDA copy is still in flight: this commit is coalesced
+            # into the next one (training never waits for PCIe). Not with the ring
+            # exchange, a collective every rank must make at every commit.
+            self._device.coalesced += 1
+            self._persist_owed = self._persist_owed or due
+            return
         self.own.drop_from(step)
         slot = self.own.writable()
         # the ring exchange sends the snapshot at once: no copy to overlap with
-        slot.fill(step, shard, state, copier=None if ring else self._copier)
-        self.newest = step
-        self._commit_times.append(time.monotonic())
+        slot.fill(
+            step,
+            shard,
+            state,
+            copier=None if ring else self._copier,
+            device=None if ring else self._device,
+        )
+        if slot.pinned:
+            # Both host buffers pinned by the first commit, not inside a later step;
+            # never a buffer that holds a snapshot (reserving may reallocate it).
+            for other in self.own.slots:
+                if other is not slot and other.step is None and not other.in_flight:
+                    other.reserve(slot.nbytes, pin=True)
         if ring:
             self.buddy.drop_from(step)
             transfer.ring_exchange(
@@ -213,8 +339,9 @@ class Snapshots:
                 self.buddy.writable(),
                 self._group,
             )
-        p = self._persister
-        if p is not None and p.due(step) and (not self.replicated or self._rank == 0):
+        if due or self._persist_owed:
+            assert p is not None
+            self._persist_owed = False
             slot.wait()
             if slot.step == step:  # not discarded as torn
                 p.submit(slot, self._world, self.replicated)
@@ -227,13 +354,34 @@ class Snapshots:
 
     def close(self, timeout: float = 120.0) -> None:
         """Releases everything: waits for a disk write in flight, frees the buffers."""
-        self._copier.close()
-        if self._persister is not None:
-            self._persister.close(timeout)
-        self.own.release()
-        self.buddy.release()
+        # Invariant: every part is released even when one fails, and nothing here
+        # raises over the error that ended the call (a CUDA context that broke is
+        # recorded by the parts themselves: inprocess.device_fault).
+        steps = (
+            ("the host copier", self._copier.close),
+            ("the device copier", self._device.close),
+            ("the disk writer", lambda: self._persister and self._persister.close(timeout)),
+            ("the host buffers", self.own.release),
+            ("the peer's host buffers", self.buddy.release),
+        )
+        for what, step in steps:
+            try:
+                step()
+            except Exception as ex:
+                log.warning("releasing %s of the call's snapshots failed: %r", what, ex)
         self._group = None
         self._closed = True
+
+
+def _describe_rejected(r: dict[str, Any]) -> str:
+    return f"step {r['step']} shard {r['shard']} (rank {r['rank']}): {r['reason']}"
+
+
+def _raise_refused(refusals: list[str | None], rank: int) -> None:
+    """Raises the first rank's refusal of its ``snapshot_dir`` on every rank."""
+    for r, text in enumerate(refusals):
+        if text:
+            raise SnapshotTrustError(text if r == rank else f"rank {r}: {text}")
 
 
 def _default_rank_world() -> tuple[int, int]:

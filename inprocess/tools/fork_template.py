@@ -46,6 +46,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..proctitle import ROOM_ARG, set_title, worker_title
+
 #: environment variables read at interpreter start-up or by the warm imports:
 #: a rank is forked only when its values of these equal the template's
 STARTUP_PREFIXES = ("PYTHON", "OMP_", "MKL_", "TORCH_", "LD_", "CUDA_", "KMP_", "GOMP_")
@@ -99,7 +101,8 @@ class ForkTemplate:
             from ..failover.standby import ROOM_ENV, ROOM_SIZE
 
             self.process = subprocess.Popen(
-                [sys.executable, "-m", __name__, str(theirs.fileno()), str(os.getpid())],
+                # (room for a rank's command line, see _run)
+                [sys.executable, "-m", __name__, str(theirs.fileno()), str(os.getpid()), ROOM_ARG],
                 env={**self.env, ROOM_ENV: "." * ROOM_SIZE},
                 pass_fds=(theirs.fileno(),),
                 stdin=subprocess.DEVNULL,
@@ -188,7 +191,7 @@ def _main(fd: int, parent: int) -> None:
     import torch
     import torch.distributed
 
-    import inprocess  # noqa: F401
+    import inprocess.wrap  # noqa: F401  (the Wrapper's modules: most of a second)
 
     del torch
     sock.sendall(b"ready")
@@ -265,9 +268,12 @@ def _run(argv: list[str]) -> None:
 
     sys.argv = list(argv)
     sys.path[0] = os.path.dirname(os.path.realpath(argv[0]))
+    # what ps and pgrep -f show for a fresh `python SCRIPT ARGS`
+    set_title(worker_title([sys.executable, *argv]))
     runpy.run_path(argv[0], run_name="__main__")
     sys.exit(0)
 
 
 if __name__ == "__main__":
+    set_title(" ".join([sys.executable, "-m", "inprocess.tools.fork_template", *sys.argv[1:3]]))
     _main(int(sys.argv[1]), int(sys.argv[2]))

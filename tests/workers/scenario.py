@@ -17,6 +17,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,10 @@ if SPEC.get("ranks_per_node"):
     # simulated nodes on one host: each has its own node group and heartbeat
     os.environ["INPROCESS_NODE"] = f"node{INITIAL_RANK // SPEC['ranks_per_node']}"
 EVENTS: list[dict[str, Any]] = []
+if SPEC.get("fork_unsafe"):
+    # a thread of the script's own before the call (a stand-in for CUDA initialized):
+    # each monitor process is then a fresh interpreter, started beside its rank
+    threading.Thread(target=threading.Event().wait, daemon=True).start()
 
 logging.basicConfig(
     level=SPEC.get("log_level", "WARNING"),

@@ -90,6 +90,9 @@ class ProcessExit:
     signal: int | None
     #: set when the process's machine was lost (how): a node failure, not the worker's
     lost: str | None = None
+    #: set when the process ended with a process of the job's machinery (how: its
+    #: standby zygote, killed with it): relaunched, not counted as its failure
+    machinery: str | None = None
 
 
 class Backend(Protocol):

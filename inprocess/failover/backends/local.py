@@ -17,6 +17,7 @@ watched like a spawned one.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import json
 import logging
@@ -29,6 +30,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from ..console import LOG_DIR_MODE, open_log
 from ..processes import process_start_time
 from ..standby import StandbyPool
 from ..zygote import ORPHANED, ZygoteChild
@@ -127,15 +129,24 @@ class LocalBackend:
         stdin from ``/dev/null``; stdout and stderr appended to ``launch.stdout`` /
         ``launch.stderr`` (their directories created) or inherited when ``None``.
         Appending keeps the output of every incarnation of a worker in its file.
+        A log file is never opened through a symlink (:func:`open_log`): one
+        planted in its place is refused, logged, and the stream inherited.
         """
         with contextlib.ExitStack() as files:
             stdio: dict[str, Any] = {"stdin": subprocess.DEVNULL}
             for name, path in (("stdout", launch.stdout), ("stderr", launch.stderr)):
                 if path is None:
                     continue
-                if path != os.devnull:
-                    Path(path).parent.mkdir(parents=True, exist_ok=True)
-                stdio[name] = files.enter_context(open(path, "ab"))
+                if path == os.devnull:
+                    stdio[name] = subprocess.DEVNULL
+                    continue
+                Path(path).parent.mkdir(mode=LOG_DIR_MODE, parents=True, exist_ok=True)
+                try:
+                    fd = open_log(path)
+                except OSError as ex:
+                    log.error("worker's %s is not written to %s: %s", name, path, ex)
+                    continue
+                stdio[name] = files.enter_context(os.fdopen(fd, "ab"))
             yield stdio
 
     def _spawn(
@@ -238,7 +249,15 @@ class LocalBackend:
         if child is not None:
             code = child.wait()
             if code == ORPHANED:  # ended after its zygote died: the supervisor reaped it
-                return self.exit_of(pid)
+                ended = self.exit_of(pid)
+                if (
+                    isinstance(child, ZygoteChild)
+                    and child.ended_with_zygote()
+                    and ended.signal is not None
+                ):
+                    # killed with its zygote (not by us): the machinery's fault
+                    return dataclasses.replace(ended, machinery="killed with its standby zygote")
+                return ended
             return ProcessExit(pid, code if code >= 0 else None, -code if code < 0 else None)
         # An orphan from an earlier controller: the supervisor reaps it and records it.
         return self.exit_of(pid)

@@ -1,0 +1,88 @@
+"""Commits that arrive while the previous device copy is in flight are coalesced
+(issue 37, item 1): the policy of ``Snapshots.commit``, with a stand-in for the
+device copier (a copy "in flight" for as long as the test says; no GPU here).
+The copies themselves are measured on a GPU by ``benchmarks/gpu_state.py``."""
+
+from __future__ import annotations
+
+import torch
+
+from inprocess.snapshot import Snapshots, persist
+
+
+class InFlight:
+    """A device copier whose last copy has not landed while ``busy`` is set."""
+
+    def __init__(self) -> None:
+        self.busy_now = False
+        self.coalesced = 0
+        self.closed = False
+
+    def busy(self) -> bool:
+        return self.busy_now
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _held(snaps: Snapshots) -> list[int]:
+    for slot in snaps.own.slots:
+        slot.wait()  # (host copies run on the copier's thread)
+    return [s.step for s in snaps.own.held()]
+
+
+def test_a_commit_during_a_copy_in_flight_is_skipped_and_the_next_takes_the_newer_state():
+    state = {"w": torch.zeros(4)}
+    snaps = Snapshots()
+    device = snaps._device = InFlight()
+    for step in (1, 2):
+        state["w"] = state["w"] + 1  # (in place, it would tear the copy in flight)
+        snaps.commit(state, step, 0)
+    assert _held(snaps) == [2, 1]
+    device.busy_now = True
+    state["w"] = state["w"] + 1
+    snaps.commit(state, 3, 0)  # coalesced: nothing copied, nothing waited for
+    assert _held(snaps) == [2, 1] and device.coalesced == 1
+    assert snaps.newest == 3  # the step the rank reached: a restore to 2 redoes 1 step
+    device.busy_now = False
+    state["w"] = state["w"] + 1
+    snaps.commit(state, 4, 0)
+    assert _held(snaps) == [4, 2]
+    assert snaps.own.at(4).unpickled()  # a whole snapshot
+    restored = {"w": torch.zeros(4)}
+    assert snaps.restore(restored, True, 0) == 4
+    assert torch.equal(restored["w"], torch.full((4,), 4.0))
+    snaps.close()
+    assert device.closed
+
+
+def test_a_due_step_that_was_coalesced_is_persisted_with_the_next_commit(tmp_path):
+    state = {"w": torch.zeros(4)}
+    snaps = Snapshots(str(tmp_path), persist_every=2)
+    device = snaps._device = InFlight()
+    device.busy_now = True
+    snaps.commit(state, 2, 0)  # due, coalesced
+    device.busy_now = False
+    snaps.commit(state, 3, 0)  # not due, but owed
+    snaps._persister.flush(30)
+    assert persist.complete(str(tmp_path)) == {(0, 3)}
+    snaps.commit(state, 5, 0)  # neither due nor owed
+    snaps._persister.flush(30)
+    assert persist.complete(str(tmp_path)) == {(0, 3)}
+    snaps.close()
+
+
+def test_the_ring_exchange_never_coalesces(monkeypatch):
+    """replicated=False: every rank must take part in every commit's exchange."""
+    from inprocess.snapshot import transfer
+
+    sent: list[int] = []
+    monkeypatch.setattr(transfer, "ring_exchange", lambda slot, *a: sent.append(slot.step))
+    snaps = Snapshots()
+    device = snaps._device = InFlight()
+    snaps.replicated, snaps._rank, snaps._world = False, 0, 2
+    snaps._group, snaps._group_iteration = object(), 0
+    device.busy_now = True
+    snaps.commit({"w": torch.zeros(2)}, 1, 0)
+    assert sent == [1] and device.coalesced == 0
+    snaps.close()
