@@ -218,12 +218,13 @@ def test_a_disk_that_refuses_the_state_costs_the_job_nothing(tmp_path, monkeypat
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_an_emptied_state_file_and_a_dead_controller_end_the_job_with_a_reason(tmp_path):
-    # a planted symlink in the state dir: job events never go to its target
+    # symlinks planted in the state dir: job events and exit records never go to their
+    # targets (a launch that finds an events.jsonl symlink is refused: it is planted
+    # once the job runs)
     state_dir = tmp_path / "state"
     state_dir.mkdir(mode=0o700)
     victim = tmp_path / "victim"
     victim.write_text("precious\n")
-    (state_dir / "events.jsonl").symlink_to(victim)
     planted = tmp_path / "planted"
     planted.mkdir()
     (planted / "keep").write_text("mine\n")
@@ -235,6 +236,9 @@ def test_an_emptied_state_file_and_a_dead_controller_end_the_job_with_a_reason(t
     ) as launch:
         launch.wait_until(lambda: len(list(launch.out.glob("rank*"))) == 2, what="the workers")
         launch.wait_until(lambda: launch.state()["stage"] == "RUNNING", what="RUNNING")
+        link = state_dir / "events.jsonl.planted"
+        link.symlink_to(victim)
+        os.replace(link, state_dir / "events.jsonl")
         (state_dir / "state.json").write_bytes(b"")
         os.kill(int((state_dir / "controller.pid").read_text()), signal.SIGKILL)
         code = launch.finish(timeout=60)

@@ -212,7 +212,7 @@ def test_worker_kill_controller_kill_and_node_loss(tmp_path, cluster):
         launch.stop()
         check_clean_success(launch, None, timeout=240)
         state = launch.state()
-        assert state["worker_restarts"]["1"] == 1
+        assert state["worker_restarts"]["1"] == 1, json.dumps(state["events"], indent=1)
         assert state["node_relaunches"] == 1
         assert state["node_slots"]["1"] == 2  # moved to the spare slot
         # the node's loss was not counted as failures of its workers
