@@ -57,6 +57,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
+from . import procfs
 from .node import NodeLeader, NodeMember, group_dir
 from .proctitle import set_title
 from .progress_watchdog import ProgressBoard, ring
@@ -773,9 +774,8 @@ def _thread_activity(task_dir: str) -> tuple[bool, int]:
     in the kernel (``S``, ``D``) or stopped is not.
     """
     try:
-        with open(f"{task_dir}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return fields[0] == "R", int(fields[11]) + int(fields[12])
+        fields = procfs.read_stat(f"{task_dir}/stat")
+        return fields[0] == "R", procfs.cpu_ticks(fields)
     except (OSError, IndexError, ValueError):
         return False, 0
 

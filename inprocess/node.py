@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import protocol as P
-from .failover.processes import process_start_time
+from .procfs import process_start_time
 from .relay import NodeRelay
 from .userdir import user_dir
 

@@ -25,22 +25,14 @@ from __future__ import annotations
 import ctypes
 import logging
 
+from .procfs import own_area
+
 log = logging.getLogger(__name__)
 
 #: an argument of spaces that reserves room for a later title in a process's
 #: argument area (standbys, their zygote); nothing reads it
 ROOM_ARG = " " * 2048
 _PR_SET_NAME = 15
-
-
-def _own_area(field: int) -> tuple[int, int]:
-    """Fields ``field`` and ``field + 1`` of ``/proc/self/stat`` (``(0, 0)`` if unknown)."""
-    try:
-        with open("/proc/self/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()  # fields[0] is field 3
-        return int(fields[field - 3]), int(fields[field - 2])
-    except (OSError, IndexError, ValueError):
-        return 0, 0
 
 
 def set_title(title: str, name: str | None = None) -> bool:
@@ -53,7 +45,7 @@ def set_title(title: str, name: str | None = None) -> bool:
             libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
         except (OSError, AttributeError):
             pass
-    start, end = _own_area(48)  # arg_start, arg_end
+    start, end = own_area(48)  # arg_start, arg_end
     size = end - start
     if start <= 0 or size < 2:
         return False

@@ -437,6 +437,16 @@ def launch_token(namespace: str) -> str:
     return hashlib.blake2b(namespace.encode(), digest_size=5).hexdigest()
 
 
+def initial_rank_of(identity: str) -> int:
+    """The initial rank encoded in an identity."""
+    return int(identity.split("/", 1)[0])
+
+
+def incarnation_of(identity: str) -> int:
+    """The worker incarnation encoded in an identity (0 outside a launcher)."""
+    return int(identity.split("/", 1)[1].split(".", 1)[0])
+
+
 def launch_identity(initial_rank: int, token: str) -> str:
     """The identity of the rank at ``initial_rank`` of a launch (incarnation 0)."""
     return f"{initial_rank}/0.{token}"

@@ -47,6 +47,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from . import protocol
+from .protocol import initial_rank_of
 
 log = logging.getLogger(__name__)
 
@@ -233,8 +234,6 @@ def faults_of(
     peer's fault only when nothing else was recorded. ``joined``: initial ranks that asked to
     join. ``fault_time``: when the root cause was recorded (``None``: no fault).
     """
-    from .store import initial_rank_of
-
     joined = sorted(
         {initial_rank_of(str(e["rank"])) for e in entries if e.get("reason") == _JOIN_REQUEST}
     )
@@ -307,8 +306,6 @@ class Recorder:
         # Ranks of one job (generation, restart attempt) share their namespace:
         # a short digest of it tells jobs apart without writing the key space out.
         self.job = hashlib.sha1(namespace.encode()).hexdigest()[:10]
-        from .store import initial_rank_of
-
         self.initial_rank = initial_rank_of(identity)
         self._common = {
             "job": self.job,
@@ -426,8 +423,6 @@ class Recorder:
             log.debug("%s: cannot publish restart phases: %s", self.identity, ex)
 
     def _write_restart(self, store: Any, current: Any, state: Any, now: float) -> None:
-        from .store import initial_rank_of
-
         ended = self._ended
         # One round trip to the store (this is on the way back into the function) when
         # both keys surely exist: this rank published its phases, and an earlier fault

@@ -42,8 +42,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import protocol as P
-from .failover.processes import process_start_time
-from .store import WAIT_CHUNK_MAX, WakeWait
+from .procfs import process_start_time
+from .waiting import WAIT_CHUNK_MAX, WakeWait
 
 log = logging.getLogger(__name__)
 
@@ -435,7 +435,7 @@ class NodeRelay:
 
     def _wait(self) -> None:
         """Waits for the node: one wait on the call's next wake-up for every rendezvous
-        handed to the store (:class:`~inprocess.store.WakeWait`, as a rank waits);
+        handed to the store (:class:`~inprocess.waiting.WakeWait`, as a rank waits);
         hands out the decisions and the deaths to count."""
         store = None
         waiter: WakeWait | None = None

@@ -1,8 +1,11 @@
-"""The public import paths of the usage guide, and the job layer's backend factory."""
+"""The public import paths of the usage guide, the job layer's backend factory, and the
+package's layering (which module may import which; no import cycle)."""
 
 from __future__ import annotations
 
+import ast
 import importlib
+from pathlib import Path
 
 import pytest
 
@@ -60,3 +63,150 @@ def test_create_backend_by_name(tmp_path):
         backend.close()
     with pytest.raises(ValueError, match=r"backend must be one of \['local', 'ray'\], got 'k8s'"):
         create_backend("k8s", tmp_path)
+
+
+# --- layering ---------------------------------------------------------------------
+#
+# The import graph of the package, read from the source (nothing is imported): which
+# module may import which. Every ``import`` statement counts, at module level, under
+# ``if TYPE_CHECKING:`` and inside functions alike: a lazy import inside a function
+# is still a dependency, and a cycle closed by one is still a cycle (two modules that
+# cannot be understood, tested or moved one without the other). A module that needs
+# a lazy import only to dodge a cycle has a helper in the wrong place.
+
+#: top-level drivers that sit above every layer (tools run jobs through the launcher)
+DRIVERS = ("inprocess.tools.",)
+
+
+def module_name(root: Path, path: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def import_graph(root: Path, package: str = "inprocess") -> dict[str, set[str]]:
+    """Module -> the modules of ``package`` it imports (relative imports resolved;
+    ``from pkg import sub`` counts ``pkg.sub`` where ``sub`` is a module)."""
+    files = {module_name(root, p): p for p in sorted((root / package).rglob("*.py"))}
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        here = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                found = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = here.split(".")
+                if node.level:
+                    base = base[: len(base) - (node.level - 1)]
+                    found_base = ".".join([*base, *([node.module] if node.module else [])])
+                else:
+                    found_base = node.module or ""
+                found = [
+                    f"{found_base}.{a.name}" if f"{found_base}.{a.name}" in files else found_base
+                    for a in node.names
+                ]
+            else:
+                continue
+            for target in found:
+                while target and target not in files:  # a name inside a module
+                    target = target.rpartition(".")[0]
+                if target and target != name and target.split(".")[0] == package:
+                    targets.add(target)
+        graph[name] = targets
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        on_stack.add(module)
+        for target in sorted(graph.get(module, ())):
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in on_stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == module:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return sorted(cycles)
+
+
+def layering_violations(root: Path, package: str = "inprocess") -> list[str]:
+    """What breaks the package's layering, one line each (empty: none)."""
+    graph = import_graph(root, package)
+    failover = f"{package}.failover"
+    drivers = tuple(d.replace("inprocess", package, 1) for d in DRIVERS)
+    allowed_by = {  # module -> the only modules of the package it may import
+        f"{package}.failover.policy": {f"{package}.failover.spec", f"{package}.failover.state"},
+        f"{package}.protocol": {f"{package}.security"},
+    }
+    problems = []
+    for module, targets in sorted(graph.items()):
+        inside = module == failover or module.startswith(failover + ".")
+        if not inside and not module.startswith(drivers):
+            for target in sorted(targets):
+                if target == failover or target.startswith(failover + "."):
+                    problems.append(f"{module} imports {target} (the launcher's layer)")
+        if module in allowed_by:
+            for target in sorted(targets - allowed_by[module]):
+                allowed = sorted(allowed_by[module])
+                problems.append(f"{module} imports {target} (allowed: {allowed})")
+    for cycle in import_cycles(graph):
+        problems.append(f"import cycle: {' <-> '.join(cycle)}")
+    return problems
+
+
+def test_layering_holds():
+    root = Path(inprocess.__file__).resolve().parent.parent
+    assert layering_violations(root) == []
+
+
+def test_layering_check_reports_a_planted_violation(tmp_path):
+    def module(path: str, text: str = "") -> None:
+        file = tmp_path / "inprocess" / path
+        file.parent.mkdir(parents=True, exist_ok=True)
+        file.write_text(text)
+
+    module("__init__.py")
+    module("security.py")
+    module("protocol.py", "from .security import reject\nfrom . import store\n")
+    module("store.py", "def f():\n    from .relay import RelayClient\n")  # lazy: still counts
+    module("relay.py", "from .store import WakeWait\n")
+    module("node.py", "from .failover.processes import process_start_time\n")
+    module("failover/__init__.py")
+    module("failover/processes.py", "import os\nfrom ..security import reject\n")
+    module("failover/spec.py")
+    module("failover/state.py")
+    policy = "from .spec import JobSpec\nfrom .state import Stage\nimport inprocess.node\n"
+    module("failover/policy.py", policy)
+    module("tools/__init__.py")
+    module("tools/local_job.py", "from ..failover import processes\n")  # a driver: allowed
+    assert layering_violations(tmp_path) == [
+        "inprocess.failover.policy imports inprocess.node "
+        "(allowed: ['inprocess.failover.spec', 'inprocess.failover.state'])",
+        "inprocess.node imports inprocess.failover.processes (the launcher's layer)",
+        "inprocess.protocol imports inprocess.store (allowed: ['inprocess.security'])",
+        "import cycle: inprocess.relay <-> inprocess.store",
+    ]

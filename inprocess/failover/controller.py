@@ -38,9 +38,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .. import protocol
+from .. import procfs, protocol
 from .. import records as _records
 from ..proctitle import set_title
+from ..protocol import incarnation_of, initial_rank_of
 from ..security import keyed_namespace
 from . import policy
 from .backends import DEFAULT_BACKEND, Backend, ProcessExit, WorkerLaunch, create_backend
@@ -430,7 +431,7 @@ class Controller:
         """
         if snapshot is None or self.state.wrapper_managed is not True or self._client is None:
             return
-        from ..store import PrefixStore, incarnation_of, initial_rank_of
+        from ..store import PrefixStore
 
         lost = {e.node: e.reason for e in lost_nodes if isinstance(e, NodeLost)}
         dead: dict[tuple[int, int], str] = {}
@@ -560,7 +561,6 @@ class Controller:
         """Failures the Wrapper recorded (ranks it declared terminated), and its presence."""
         if self.state.wrapper_managed is None and snapshot["wrapped"]:
             self.commit(policy.set_wrapper_managed(self.state, True, now=time.time()))
-        from ..store import incarnation_of, initial_rank_of
 
         reasons = protocol.terminations(snapshot["fault_log"])
         events: list[policy.Event] = []
@@ -596,7 +596,6 @@ class Controller:
     def _no_live_member(self, snapshot: dict[str, Any]) -> str | None:
         """Why the Wrapper job has no live member left, once that has lasted
         :data:`NO_MEMBER_GRACE`; ``None`` while it has one (or cannot tell)."""
-        from ..store import incarnation_of, initial_rank_of
 
         state = self.state
         members: list[str] = []
@@ -932,11 +931,7 @@ class _BoundedCalls:
 
 def _process_stopped(pid: int) -> bool:
     """Whether ``pid`` is stopped (SIGSTOP, SIGTSTP, a tracer)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
-    except (OSError, IndexError):
-        return False
+    return procfs.process_stopped(pid)
 
 
 def _exit_of(status: int) -> tuple[int | None, int | None]:

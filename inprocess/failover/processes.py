@@ -8,17 +8,6 @@ on the controller's machine whatever the backend.
 
 from __future__ import annotations
 
+from ..procfs import process_start_time
 
-def process_start_time(pid: int) -> float | None:
-    """Start time of ``pid`` in clock ticks since boot, or ``None`` if it does not exist.
-
-    Together with the pid it identifies a process: a reused pid has another start time.
-    """
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    if fields[0] == "Z":
-        return None
-    return float(fields[19])
+__all__ = ["process_start_time"]

@@ -41,7 +41,7 @@ controller also keeps the next generation's store server started ahead
 (:class:`~inprocess.failover.store_server.SpareStoreServer`).
 
 What tools see: ``/proc/PID/environ`` (``ps e``, ``psutil``) shows the
-worker's variables once it is assigned (:func:`_show_environ` rewrites the
+worker's variables once it is assigned (:func:`~inprocess.preloaded.show_environ` rewrites the
 initial environment block in place, room for it is reserved at spawn), so a
 worker is found by ``RANK`` as usual; ``/proc/PID/cmdline`` (``ps``, ``pgrep
 -f``, py-spy) shows the standby's command line (``python -m
@@ -83,7 +83,6 @@ Run as ``python -m inprocess.failover.standby SOCKET_FD PARENT_PID``.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import json
 import logging
@@ -95,6 +94,7 @@ import subprocess
 import sys
 from typing import Any
 
+from ..preloaded import ROOM_ENV, ROOM_SIZE, die_with_parent, reopen_stdio, show_environ
 from ..proctitle import ROOM_ARG, set_title, worker_title
 from .zygote import ZYGOTE_FLAG, Spawn, Zygote, ZygoteChild, zygote_env
 
@@ -116,11 +116,6 @@ PER_WORKER_ENV = (
 )
 #: a standby that dies this many times in a row before it is ready stops its slot's pool
 MAX_EARLY_DEATHS = 3
-#: a standby's own variable, room in its initial environment block for the worker's
-#: per-worker variables (see :func:`_show_environ`)
-ROOM_ENV = "INPROCESS_STANDBY_ROOM"
-ROOM_SIZE = 4096
-_PR_SET_PDEATHSIG = 1
 _HEADER = struct.Struct("!Q")
 _READY = b"R"
 
@@ -422,40 +417,6 @@ def _receive(sock: socket.socket) -> tuple[dict[str, Any], list[int]] | None:
     return json.loads(data[_HEADER.size : _HEADER.size + size]), fds
 
 
-def _die_with_parent(sig: int) -> None:
-    if ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-
-
-def _own_area(field: int) -> tuple[int, int]:
-    """The addresses of one of our memory areas that ``/proc/self/stat`` gives as
-    its fields ``field`` and ``field + 1`` (start and end; ``(0, 0)`` if unknown)."""
-    try:
-        with open("/proc/self/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()  # fields[0] is field 3
-        return int(fields[field - 3]), int(fields[field - 2])
-    except (OSError, IndexError, ValueError):
-        return 0, 0
-
-
-def _show_environ(env: dict[str, str]) -> bool:
-    """Writes ``env`` over our initial environment block, the one that
-    ``/proc/PID/environ`` (``ps e``, ``psutil.Process.environ()``) shows, so that
-    tools see the worker's variables (``RANK``...), not the standby's.
-
-    Safe once ``os.environ`` was cleared and refilled: libc's ``environ`` then
-    points at new strings only, nothing reads the old block. The block keeps
-    its size (the standby's environment plus :data:`ROOM_ENV`); ``False`` if
-    the worker's does not fit (``/proc`` then shows the standby's).
-    """
-    start, end = _own_area(50)  # env_start, env_end
-    block = b"".join(f"{k}={v}".encode(errors="surrogateescape") + b"\0" for k, v in env.items())
-    if start <= 0 or len(block) + 1 > end - start:
-        return False
-    ctypes.memmove(start, block.ljust(end - start, b"\0"), end - start)
-    return True
-
-
 def standby_title(fd: int, parent: int) -> str:
     """What ``ps`` shows for a standby that waits for its worker: its command line."""
     return " ".join([sys.executable, "-m", "inprocess.failover.standby", str(fd), str(parent)])
@@ -466,10 +427,10 @@ def main(argv: list[str] | None = None) -> int:
     if args and args[0] == ZYGOTE_FLAG:
         from .zygote import main as zygote_main
 
-        return zygote_main(int(args[1]), int(args[2]))
+        return zygote_main(int(args[1]), int(args[2]), _forked_standby)
     fd, parent = (int(a) for a in args[:2])
     set_title(standby_title(fd, parent), "inproc-standby")  # (its room argument hidden)
-    _die_with_parent(signal.SIGKILL)
+    die_with_parent(signal.SIGKILL)
     if os.getppid() != parent:  # the backend died before the tie was made
         return 0
     sock = socket.socket(fileno=fd)
@@ -481,6 +442,19 @@ def main(argv: list[str] | None = None) -> int:
 
     del torch
     return serve(sock)
+
+
+def _forked_standby(env: dict[str, str], fd: int, parent: int) -> int:
+    """A child just forked by a zygote becomes a standby of ``env``, as if spawned so."""
+    os.setsid()  # a spawned standby has its own session and process group
+    die_with_parent(signal.SIGKILL)
+    if os.getppid() != parent:  # the zygote died meanwhile
+        return 0
+    os.environ.clear()
+    os.environ.update(env)
+    show_environ(env)
+    set_title(standby_title(fd, parent), "inproc-standby")
+    return serve(socket.socket(fileno=fd))
 
 
 def serve(sock: socket.socket) -> int:
@@ -503,13 +477,13 @@ def serve(sock: socket.socket) -> int:
     for target, source in enumerate(fds):
         os.dup2(source, target)
         os.close(source)
-    _reopen_stdio(unbuffered=bool(message["env"].get("PYTHONUNBUFFERED")))
+    reopen_stdio(unbuffered=bool(message["env"].get("PYTHONUNBUFFERED")))
     os.environ.clear()
     os.environ.update(message["env"])
-    _show_environ(message["env"])
+    show_environ(message["env"])
     os.chdir(message["cwd"])
     if not message["die_with_parent"]:
-        _die_with_parent(0)
+        die_with_parent(0)
     command = message["argv"][1:]
     # ps, pgrep -f, py-spy: the command line a fresh worker would show
     set_title(worker_title(message["argv"]), os.path.basename(message["argv"][0]))
@@ -525,33 +499,6 @@ def serve(sock: socket.socket) -> int:
         sys.path[0] = os.path.dirname(os.path.realpath(command[0]))
         runpy.run_path(command[0], run_name="__main__")
     return 0
-
-
-def _reopen_stdio(unbuffered: bool) -> None:
-    """``sys.stdout`` / ``sys.stderr`` on the worker's fds 1 and 2, buffered as a fresh
-    interpreter would buffer them there: line-buffered on a terminal (stderr always),
-    and with ``PYTHONUNBUFFERED`` (read at start-up, so not applied by the
-    environment alone) written through to the fd at once, nothing held in a buffer."""
-    import io
-
-    for name, fd in (("stdout", 1), ("stderr", 2)):
-        old = getattr(sys, name)
-        with contextlib.suppress(Exception):
-            old.flush()
-        binary: io.RawIOBase | io.BufferedWriter = io.FileIO(fd, "w", closefd=False)
-        if not unbuffered:
-            binary = io.BufferedWriter(binary)
-        setattr(
-            sys,
-            name,
-            io.TextIOWrapper(
-                binary,
-                encoding=getattr(old, "encoding", None),
-                errors=getattr(old, "errors", None),
-                line_buffering=os.isatty(fd) or name == "stderr",
-                write_through=unbuffered,
-            ),
-        )
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .. import procfs
 from .runtime import exit_now
 
 
@@ -63,10 +64,8 @@ class StoreServer:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
+    state = procfs.process_state(pid)
+    if state is None:
         return False
     if state == "Z":  # a zombie child: reap it
         with contextlib.suppress(ChildProcessError):

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import psutil
 
+from .. import procfs
 from .. import records as _records
 from . import policy
 from .backends import DEFAULT_BACKEND, Backend, create_backend
@@ -446,12 +447,10 @@ def _kill_if_still_stopped(pid: int, grace: float) -> int | None:
     log.warning("the controller (pid %d) is stopped", pid)
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                stopped = f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
-        except OSError:
+        state = procfs.process_state(pid)
+        if state is None:
             return None
-        if not stopped:
+        if state not in procfs.STOPPED_STATES:
             log.warning("the controller (pid %d) continues", pid)
             return None
         time.sleep(0.05)

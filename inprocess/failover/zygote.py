@@ -57,6 +57,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ..preloaded import ROOM_ENV, ROOM_SIZE, die_with_parent, show_environ
 from ..proctitle import set_title
 
 log = logging.getLogger(__name__)
@@ -179,8 +180,6 @@ class Zygote:
     """
 
     def __init__(self, spawn: Spawn, env: dict[str, str]) -> None:
-        from .standby import ROOM_ENV, ROOM_SIZE
-
         self.env = dict(env)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
@@ -365,11 +364,13 @@ def _has_ended(pidfd: int) -> bool:
 # --- the zygote process ---------------------------------------------------------
 
 
-def main(fd: int, parent: int) -> int:
-    """The zygote: warm imports, then a fork per request (see the module's doc)."""
-    from .standby import _die_with_parent
+def main(fd: int, parent: int, become_standby: Callable[[dict[str, str], int, int], int]) -> int:
+    """The zygote: warm imports, then a fork per request (see the module's doc).
 
-    _die_with_parent(signal.SIGKILL)
+    A forked standby's life is ``become_standby(env, fd, parent)`` (the standby
+    module's, which passes it: this module does not import that one).
+    """
+    die_with_parent(signal.SIGKILL)
     sock = socket.socket(fileno=fd)
     if os.getppid() != parent:  # the backend died before the tie was made
         return 0
@@ -423,7 +424,7 @@ def main(fd: int, parent: int) -> int:
                 os.close(own)
             if "module" in request:
                 sys.exit(_module(request, fds, parent=zygote))
-            sys.exit(_standby(request["env"], fds[0], parent=zygote))
+            sys.exit(become_standby(request["env"], fds[0], zygote))
         for fd in fds:
             os.close(fd)
         pidfd = os.pidfd_open(pid)  # before we reap it: the pid is still ours
@@ -432,26 +433,9 @@ def main(fd: int, parent: int) -> int:
         os.close(pidfd)
 
 
-def _standby(env: dict[str, str], fd: int, parent: int) -> int:
-    """This forked child becomes a standby of ``env``, as if spawned so."""
-    from .standby import _die_with_parent, _show_environ, serve, standby_title
-
-    os.setsid()  # a spawned standby has its own session and process group
-    _die_with_parent(signal.SIGKILL)
-    if os.getppid() != parent:  # the zygote died meanwhile
-        return 0
-    os.environ.clear()
-    os.environ.update(env)
-    _show_environ(env)
-    set_title(standby_title(fd, parent), "inproc-standby")
-    return serve(socket.socket(fileno=fd))
-
-
 def _module(request: dict[str, Any], fds: list[int], parent: int) -> int:
     """This forked child runs ``python -m MODULE ARGS`` as a spawned one would."""
     import runpy
-
-    from .standby import _show_environ
 
     os.setsid()
     null = os.open(os.devnull, os.O_RDONLY)
@@ -465,7 +449,7 @@ def _module(request: dict[str, Any], fds: list[int], parent: int) -> int:
     env = request["env"]
     os.environ.clear()
     os.environ.update(env)
-    _show_environ(env)
+    show_environ(env)
     # the command line a spawned one shows, and its name (not the zygote's)
     set_title(
         " ".join([sys.executable, "-m", request["module"], *args]),

@@ -46,6 +46,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..preloaded import ROOM_ENV, ROOM_SIZE, die_with_parent, reopen_stdio, show_environ
 from ..proctitle import ROOM_ARG, set_title, worker_title
 
 #: environment variables read at interpreter start-up or by the warm imports:
@@ -98,8 +99,6 @@ class ForkTemplate:
         self._sock = ours
         self._processes: dict[int, ForkedProcess] = {}
         try:
-            from ..failover.standby import ROOM_ENV, ROOM_SIZE
-
             self.process = subprocess.Popen(
                 # (room for a rank's command line, see _run)
                 [sys.executable, "-m", __name__, str(theirs.fileno()), str(os.getpid()), ROOM_ARG],
@@ -181,9 +180,7 @@ class ForkTemplate:
 
 
 def _main(fd: int, parent: int) -> None:
-    from ..failover.standby import _die_with_parent
-
-    _die_with_parent(signal.SIGKILL)
+    die_with_parent(signal.SIGKILL)
     sock = socket.socket(fileno=fd)
     if os.getppid() != parent:
         return
@@ -243,8 +240,6 @@ def _main(fd: int, parent: int) -> None:
 
 def _become(request: dict[str, Any], log_fd: int) -> None:
     """This forked child takes the rank's session, fds, environment and directory."""
-    from ..failover.standby import _reopen_stdio, _show_environ
-
     os.setsid()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
@@ -256,10 +251,10 @@ def _become(request: dict[str, Any], log_fd: int) -> None:
     os.close(null)
     os.close(log_fd)
     env = request["env"]
-    _reopen_stdio(unbuffered=bool(env.get("PYTHONUNBUFFERED")))
+    reopen_stdio(unbuffered=bool(env.get("PYTHONUNBUFFERED")))
     os.environ.clear()
     os.environ.update(env)
-    _show_environ(env)
+    show_environ(env)
     os.chdir(request["cwd"])
 
 
