@@ -35,6 +35,10 @@ ENV = dict(
 )
 #: torch's store client's warnings (socket.cpp), whatever their wording
 TORCH_SOCKET_WARNING = re.compile(r"socket\.cpp|waitForInput|c10d\]")
+#: the one such line that is the machine's, not a wait's: torch's store server
+#: names each client it accepts, and says so when the resolver fails meanwhile
+#: (getnameinfo's EAI_AGAIN, seen here where DNS is unreachable)
+RESOLVER_HICCUP = re.compile(r"The hostname of the client socket cannot be retrieved")
 #: a log line of the library's at WARNING or above (the workers log as
 #: "worker<N> LEVEL name: ...", inprocess-run as "inprocess-run[...] LEVEL ...")
 INPROCESS_WARNING = re.compile(
@@ -108,7 +112,11 @@ def healthy_job(tmp_path_factory):
 def test_a_healthy_job_prints_no_warning(healthy_job):
     code, output, _ = healthy_job
     assert code == 0, output[-6000:]
-    torch_lines = [line for line in output.splitlines() if TORCH_SOCKET_WARNING.search(line)]
+    torch_lines = [
+        line
+        for line in output.splitlines()
+        if TORCH_SOCKET_WARNING.search(line) and not RESOLVER_HICCUP.search(line)
+    ]
     assert not torch_lines, "\n".join(torch_lines[:10])
     ours = [line for line in output.splitlines() if INPROCESS_WARNING.search(line)]
     assert not ours, "\n".join(ours[:10])
