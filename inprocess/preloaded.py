@@ -24,6 +24,28 @@ ROOM_SIZE = 4096
 _PR_SET_PDEATHSIG = 1
 
 
+def warm_imports() -> None:
+    """The imports every worker makes, done ahead of time by a preloaded process.
+
+    ``torch``, ``torch.distributed`` and the Wrapper's modules, and
+    ``torch._dynamo``, which the first optimizer a script builds imports lazily
+    (its steps are wrapped to disable dynamo): about as long as ``import torch``
+    itself, paid after a relaunched worker joined, while the job waits for it
+    to restore. None of them starts a thread, initializes CUDA or makes a
+    process group: a fork of this process stays safe.
+    """
+    import torch
+    import torch.distributed
+
+    import inprocess.wrap  # noqa: F401  (the Wrapper's modules: most of a second)
+
+    try:
+        import torch._dynamo
+    except Exception as ex:  # a build without it: the first optimizer pays, as without us
+        sys.stderr.write(f"inprocess: torch._dynamo not preloaded: {ex!r}\n")
+    del torch
+
+
 def die_with_parent(sig: int) -> None:
     """Has the kernel send ``sig`` to this process when its parent dies (``0``: nothing)."""
     if ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0) != 0:

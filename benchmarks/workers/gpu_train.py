@@ -13,10 +13,13 @@ adds it). While the world is smaller than ``--world`` (a worker was lost) the
 ranks hold at their step, pinging, until the relaunched worker joins: the job
 trains only at full size, and the hold is the kill-to-full-size time.
 
-``--faults kind:rank:step,...`` (each once; ``--out`` keeps markers): ``raise``
+``--faults kind:rank:step,...`` (each once; ``--out`` keeps markers; every rank
+first holds at that step until the job has run ``--settle`` seconds at full size,
+so that each kill finds the launcher's standby ready, as in a real job): ``raise``
 (an exception), ``kill`` (SIGKILL of itself), ``assert`` (a device-side
 assert: an out-of-bounds index in a CUDA kernel, seen at the next
 synchronization). Every rank appends JSON lines to ``<out>/events.jsonl``:
+``script`` (the script reached its main: after its imports and CUDA's start),
 ``start`` (iteration, world size, step restored, restore record), ``fault``,
 ``done`` (the parameters' CRC-32, rank 0's).
 """
@@ -31,6 +34,7 @@ import time
 import zlib
 from pathlib import Path
 
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -45,6 +49,12 @@ p.add_argument("--batch", type=int, default=64)
 p.add_argument("--steps", type=int, default=120)
 p.add_argument("--world", type=int, default=2)
 p.add_argument("--faults", default="")
+p.add_argument(
+    "--settle",
+    type=float,
+    default=0.0,
+    help="seconds at full size before each fault (the launcher's standby is ready again)",
+)
 args = p.parse_args()
 
 RANK = int(os.environ["RANK"])
@@ -91,12 +101,18 @@ def crc(model: torch.nn.Module) -> int:
     return value
 
 
-def inject(step: int) -> None:
+def inject(step: int, full_since: float, call_wrapper: inprocess.CallWrapper) -> None:
     if step not in FAULTS:
         return
     index, kind, rank = FAULTS[step]
     marker = args.out / f"fault{index}"
-    if RANK != rank or marker.exists():
+    if marker.exists():
+        return
+    # every rank holds here until the job has run at full size for --settle seconds
+    while time.monotonic() - full_since < args.settle:
+        call_wrapper.ping()
+        time.sleep(0.01)
+    if RANK != rank:
         return
     marker.touch()
     event("fault", kind=kind, step=step)
@@ -122,8 +138,9 @@ def train(call_wrapper: inprocess.CallWrapper | None = None) -> None:
         # hold at full-size-only training: the relaunched worker's join restarts us
         call_wrapper.ping()
         time.sleep(0.01)
+    full_since = time.monotonic()
     while step < args.steps:
-        inject(step)
+        inject(step, full_since, call_wrapper)
         loss = model(batch(step, rank)).square().mean()
         loss.backward()
         for q in model.parameters():
@@ -141,4 +158,6 @@ def train(call_wrapper: inprocess.CallWrapper | None = None) -> None:
 
 if __name__ == "__main__":
     args.out.mkdir(parents=True, exist_ok=True)
+    # when this process began, and when the script got here (the replacement's timeline)
+    event("script", created=psutil.Process().create_time())
     train()

@@ -94,7 +94,14 @@ import subprocess
 import sys
 from typing import Any
 
-from ..preloaded import ROOM_ENV, ROOM_SIZE, die_with_parent, reopen_stdio, show_environ
+from ..preloaded import (
+    ROOM_ENV,
+    ROOM_SIZE,
+    die_with_parent,
+    reopen_stdio,
+    show_environ,
+    warm_imports,
+)
 from ..proctitle import ROOM_ARG, set_title, worker_title
 from .zygote import ZYGOTE_FLAG, Spawn, Zygote, ZygoteChild, zygote_env
 
@@ -435,12 +442,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     sock = socket.socket(fileno=fd)
     # The warm imports. No threads, no CUDA, no process group: a worker's own.
-    import torch
-    import torch.distributed
-
-    import inprocess.wrap  # noqa: F401  (the Wrapper's modules: most of a second)
-
-    del torch
+    warm_imports()
     return serve(sock)
 
 

@@ -57,7 +57,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..preloaded import ROOM_ENV, ROOM_SIZE, die_with_parent, show_environ
+from ..preloaded import ROOM_ENV, ROOM_SIZE, die_with_parent, show_environ, warm_imports
 from ..proctitle import set_title
 
 log = logging.getLogger(__name__)
@@ -377,12 +377,7 @@ def main(fd: int, parent: int, become_standby: Callable[[dict[str, str], int, in
     argv = [sys.executable, "-m", "inprocess.failover.standby", ZYGOTE_FLAG, str(fd), str(parent)]
     set_title(" ".join(argv), "inproc-zygote")  # (its room argument hidden)
     # The warm imports of a standby. No threads, no CUDA, no process group.
-    import torch
-    import torch.distributed
-
-    import inprocess.wrap  # noqa: F401  (the Wrapper's modules: most of a second)
-
-    del torch
+    warm_imports()
     # What the imports made is shared with every fork until written to. The
     # collector would write to all of it in each child (its first full pass
     # copies every page of the heap, seconds where page faults are slow):

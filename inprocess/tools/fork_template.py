@@ -46,7 +46,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..preloaded import ROOM_ENV, ROOM_SIZE, die_with_parent, reopen_stdio, show_environ
+from ..preloaded import (
+    ROOM_ENV,
+    ROOM_SIZE,
+    die_with_parent,
+    reopen_stdio,
+    show_environ,
+    warm_imports,
+)
 from ..proctitle import ROOM_ARG, set_title, worker_title
 
 #: environment variables read at interpreter start-up or by the warm imports:
@@ -185,12 +192,7 @@ def _main(fd: int, parent: int) -> None:
     if os.getppid() != parent:
         return
     # The warm imports (what every rank imports): no threads, no process group.
-    import torch
-    import torch.distributed
-
-    import inprocess.wrap  # noqa: F401  (the Wrapper's modules: most of a second)
-
-    del torch
+    warm_imports()
     sock.sendall(b"ready")
     children: dict[int, int] = {}  # pidfd -> pid
     while True:
