@@ -255,7 +255,9 @@ def job(args, out: Path, faults: str, extra: list[str]) -> tuple[int, str, float
     proc = subprocess.run(
         cmd, env=env, capture_output=True, text=True, timeout=args.job_timeout, cwd=REPO
     )
-    return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - started
+    output = proc.stdout + proc.stderr
+    (out / "output.txt").write_text(output)  # what the launcher and the workers printed
+    return proc.returncode, output, time.monotonic() - started
 
 
 def events(out: Path) -> list[dict]:
@@ -370,6 +372,9 @@ def main() -> int:
         help="seconds at full size before each fault (default 6, 3 with --quick): the "
         "launcher's standby is ready again, as between a real job's faults",
     )
+    parser.add_argument(
+        "--keep", type=Path, default=None, help="keep the faults' jobs (events, output) here"
+    )
     parser.add_argument("--skip", choices=["overhead", "faults"], action="append", default=[])
     args = parser.parse_args()
     if args.quick:
@@ -394,8 +399,11 @@ def main() -> int:
         dist.destroy_process_group()
     ok = True
     if "faults" not in args.skip:
-        with tempfile.TemporaryDirectory() as d:
-            ok = faults_phase(args, Path(d))
+        if args.keep is not None:
+            ok = faults_phase(args, args.keep)
+        else:
+            with tempfile.TemporaryDirectory() as d:
+                ok = faults_phase(args, Path(d))
     return 0 if ok else 1
 
 
