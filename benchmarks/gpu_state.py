@@ -22,10 +22,10 @@ One command, at most about 5 minutes on one GPU, JSON lines on stdout:
    and ``torch.save`` to ``/dev/shm``. Each ``commit`` way reports the commits it
    coalesced: at most ``coalesced / commits`` of the steps lack a snapshot.
 2. **Faults** (``inprocess-run --nproc-per-node 2``, default settings, 2 ranks on
-   one GPU over gloo with CUDA tensors, ``workers/gpu_train.py``; only the
-   failure limits raised, to 10): a fault-free run, then one run with an
-   exception, a device-side assert and 5 SIGKILLs (each healed from a peer),
-   each fault once the job has run ``--settle`` seconds at full size (the
+   one GPU over gloo with CUDA tensors, ``workers/gpu_train.py``, 50 MB of
+   state per ``--layers``; only the failure limits raised, to 10): a fault-free
+   run, then one run with an exception, a device-side assert and 5 SIGKILLs
+   (each healed from a peer), each fault once the job has run ``--settle`` seconds at full size (the
    standby is ready again). ``kind: exactness``: the final parameters' CRC
    against the fault-free run's, the steps redone per fault, the exit code of
    the rank whose GPU faulted and whether anything printed ``terminate
@@ -165,22 +165,25 @@ def run_steps(model, opt, ways: Ways, way: str, n: int, batch: int, hidden: int,
 
 
 def calibrate(model, opt, ways: Ways, hidden: int, target_s: float) -> int:
-    """The batch whose step takes about ``target_s`` without snapshots: a line
-    through two small batches, then up to three corrections at the batch found
-    (a step's time is about proportional to its batch once the GPU is busy)."""
+    """The batch whose step takes about ``target_s`` without snapshots: doubled
+    until the step takes half of it (small batches all take the GPU's fixed
+    latency), then up to four corrections (a busy GPU's step time is about
+    proportional to its batch)."""
 
     def measure(b: int) -> float:
         run_steps(model, opt, ways, "none", 3, b, hidden, 0)
         return statistics.median(run_steps(model, opt, ways, "none", 8, b, hidden, 0))
 
-    (b1, t1), (b2, t2) = ((b, measure(b)) for b in (256, 1024))
-    slope = max((t2 - t1) / (b2 - b1), 1e-9)
-    b = max(8, round(b1 + (target_s - t1) / slope))
-    for _ in range(3):
+    b, most = 512, 1 << 17
+    t = measure(b)
+    while t < target_s / 2 and b < most:
+        b *= 2
         t = measure(b)
+    for _ in range(4):
         if abs(t / target_s - 1) < 0.03:
             break
-        b = max(8, round(b * target_s / t))
+        b = min(most, max(8, round(b * target_s / t)))
+        t = measure(b)
     return b
 
 
@@ -285,7 +288,7 @@ def everything_printed(out: Path, output: str) -> str:
 
 def faults_phase(args, root: Path) -> bool:
     steps = 60 if args.quick else 120
-    extra = ["--steps", str(steps), "--settle", str(args.settle)]
+    extra = ["--steps", str(steps), "--settle", str(args.settle), "--layers", str(args.layers)]
     if args.quick:
         extra += ["--hidden", "256", "--layers", "2", "--batch", "16"]
     rc, output, seconds = job(args, root / "clean", "", extra)
@@ -371,6 +374,13 @@ def main() -> int:
         default=None,
         help="seconds at full size before each fault (default 6, 3 with --quick): the "
         "launcher's standby is ready again, as between a real job's faults",
+    )
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=1,
+        help="layers of 2048 x 2048 in the faults' job (default 1: 50 MB of state with "
+        "Adam, what a peer sends a relaunched worker; each layer adds 50 MB)",
     )
     parser.add_argument(
         "--keep", type=Path, default=None, help="keep the faults' jobs (events, output) here"

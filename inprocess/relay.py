@@ -33,7 +33,9 @@ import contextlib
 import datetime
 import errno
 import logging
+import math
 import os
+import select
 import socket
 import threading
 import time
@@ -85,6 +87,8 @@ class RelayClient:
         self.sock: socket.socket | None = None
         #: the relay process that took this rank's last arrival: (pid, start time)
         self.relay: tuple[int, float] | None = None
+        #: a pidfd of that process (readable once it ended), ``None`` where unavailable
+        self._relay_fd: int | None = None
 
     def _bind(self) -> socket.socket | None:
         if self.sock is None:
@@ -125,7 +129,7 @@ class RelayClient:
         sock.settimeout(1.0)
         for attempt in range(2):
             if self.relay is None or attempt:
-                self.relay = self._relay_process()
+                self._watch(self._relay_process())
                 if self.relay is None:
                     return False
             try:
@@ -146,15 +150,28 @@ class RelayClient:
         if sock is None:
             return None
         deadline = time.monotonic() + timeout
+        # poll, not select: a process may hold more than 1024 descriptors
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        if self._relay_fd is not None:
+            poller.register(self._relay_fd, select.POLLIN)
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
-            sock.settimeout(left)
+            # The relay's death ends the wait at once (its pidfd turns readable):
+            # the caller sees no answer, finds the relay gone and arrives on its
+            # own, instead of waiting out the chunk (seconds per barrier).
+            ready = {fd for fd, _ in poller.poll(max(1, math.ceil(left * 1000)))}
+            if sock.fileno() not in ready:
+                if ready or time.monotonic() >= deadline:
+                    return None
+                continue
+            sock.settimeout(0)
             try:
                 data = sock.recv(_MAX_DATAGRAM)
-            except (TimeoutError, BlockingIOError):
-                return None
+            except (TimeoutError, BlockingIOError, InterruptedError):
+                continue
             kind, about, text = ([*data.decode(errors="replace").split(_SEP, 2), "", ""])[:3]
             if about == name:
                 return kind, text
@@ -163,7 +180,32 @@ class RelayClient:
         """Whether the process of the relay that took the last arrival still runs."""
         return self.relay is not None and process_start_time(self.relay[0]) == self.relay[1]
 
+    def _watch(self, relay: tuple[int, float] | None) -> None:
+        """Takes ``relay`` as the relay's process, with a pidfd of it where the
+        kernel has them. Opened before its start time is compared: the pidfd
+        then names that very process, never one that reused its pid."""
+        if relay == self.relay and (relay is None or self._relay_fd is not None):
+            return
+        self._unwatch()
+        self.relay = relay
+        if relay is None or not hasattr(os, "pidfd_open"):
+            return
+        try:
+            fd = os.pidfd_open(relay[0])
+        except OSError:  # gone already (or no pidfds): relay_alive() says so
+            return
+        if process_start_time(relay[0]) != relay[1]:
+            os.close(fd)
+            return
+        self._relay_fd = fd
+
+    def _unwatch(self) -> None:
+        fd, self._relay_fd = self._relay_fd, None
+        if fd is not None:
+            os.close(fd)
+
     def close(self) -> None:
+        self._unwatch()
         sock, self.sock = self.sock, None
         if sock is not None:
             sock.close()

@@ -482,6 +482,42 @@ def test_a_relay_killed_mid_barrier_costs_a_chunk_not_a_hang(ranks):
     assert len(members) == 1 and len(next(iter(members))) == 16
 
 
+@pytest.mark.timeout(60)
+def test_a_rank_waiting_on_a_relay_hears_of_its_death_at_once(tmp_path):
+    """The relay's process dies while a rank waits for its answer (a SIGKILLed rank that
+    led its node): the wait ends at once, not at the end of its chunk (seconds per
+    barrier), and the rank sees the relay gone; a relay that lives is still waited for."""
+    import socket
+
+    from inprocess.procfs import process_start_time
+
+    relay = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(tmp_path / "relay.sock"))  # the relay's socket: it takes arrivals, answers none
+    client = RelayClient(str(tmp_path), "0/0.a")
+    try:
+        deadline = time.monotonic() + 30
+        while process_start_time(relay.pid) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        (tmp_path / RELAY_OWNER).write_text(f"{relay.pid} {process_start_time(relay.pid)}")
+        assert client.arrive("i0/t", "0/0.a", "", 2)
+        started = time.monotonic()
+        assert client.receive("i0/t", 0.3) is None  # alive, silent: the whole timeout
+        assert time.monotonic() - started >= 0.25 and client.relay_alive()
+        threading.Timer(0.5, relay.kill).start()
+        started = time.monotonic()
+        assert client.receive("i0/t", 30.0) is None
+        waited = time.monotonic() - started
+        relay.wait()
+        assert not client.relay_alive()
+        assert waited < 10, waited  # at once (0.5 s), not after the 30 s asked for
+    finally:
+        client.close()
+        sock.close()
+        relay.kill()
+        relay.wait()
+
+
 @pytest.mark.timeout(120)
 def test_a_rank_waiting_on_a_live_relay_leaves_the_store_alone(ranks):
     """Rank 15 holds the barrier back 7 s: the ranks waiting on their live relays look
