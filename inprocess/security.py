@@ -1,6 +1,6 @@
 """Who may talk to a job's store: bound listeners, keyed namespaces, sealed records.
 
-Threat model (see the README): a peer that can reach the store's address but
+Threat model (see docs/reliability-and-security.md): a peer that can reach the store's address but
 is not a process of the job (another host of the network, another user of the
 machine) must not steer the job. torch's ``TCPStore`` has no authentication,
 and since torch 2.13 any client can list every key (``list_keys()``), so

@@ -1,7 +1,7 @@
 """A rank's wait at a barrier of the store: it blocks until the call's next wake-up.
 
 Shared by the ranks' rendezvous and barriers (:mod:`inprocess.store`,
-:mod:`inprocess.wrap`) and by the node's relay (:mod:`inprocess.relay`), which
+:mod:`inprocess.membership`) and by the node's relay (:mod:`inprocess.relay`), which
 waits on the store for its ranks: a module of its own so that neither of the
 two imports the other.
 """

@@ -18,8 +18,8 @@ import torch.distributed as dist
 from test_fault_watch import NS, TD, CountingStore, server  # noqa: F401 (a fixture)
 
 from inprocess import protocol as P
+from inprocess.membership import OutcomeWait
 from inprocess.store import PrefixStore
-from inprocess.wrap import _OutcomeWait
 
 
 def client(port: int) -> CountingStore:
@@ -39,7 +39,7 @@ def config(
 def test_a_completion_waiter_is_woken_by_the_decision_and_polls_nothing(server):  # noqa: F811
     port, store, _ = server
     waiter_store = client(port)
-    wait = _OutcomeWait(waiter_store, 0, config())
+    wait = OutcomeWait(waiter_store, 0, config())
     ops = waiter_store.ops
     deciding = threading.Timer(0.5, store.decide_outcome, args=(0, P.COMPLETED))
     deciding.start()
@@ -59,7 +59,7 @@ def test_a_strangers_garbage_in_the_outcome_key_costs_a_pause_not_a_spin(server)
     port, _, stranger = server
     waiter_store = client(port)
     stranger.set(f"{NS}/{P.iteration_key(0, P.OUTCOME)}", "garbage")
-    wait = _OutcomeWait(waiter_store, 0, config(interval=0.2))
+    wait = OutcomeWait(waiter_store, 0, config(interval=0.2))
     ops = waiter_store.ops
     end = time.monotonic() + 1.0
     while time.monotonic() < end:
@@ -72,7 +72,7 @@ def test_a_strangers_garbage_in_the_outcome_key_costs_a_pause_not_a_spin(server)
 def test_an_active_ranks_wait_ends_at_its_deadline(server):  # noqa: F811
     port, _, _ = server
     waiter_store = client(port)
-    wait = _OutcomeWait(waiter_store, 0, config())
+    wait = OutcomeWait(waiter_store, 0, config())
     deadline = time.monotonic() + 0.3
     wait.wait(deadline)
     assert not wait.idle
@@ -84,9 +84,9 @@ def test_a_chunk_stays_under_a_quarter_of_the_soft_and_completion_timeouts(serve
     so a spare blocked for longer would be restarted for a hang."""
     port, _, _ = server
     store = client(port)
-    assert _OutcomeWait(store, 0, config(completion_timeout=2.0)).chunk_max == 0.5
-    assert _OutcomeWait(store, 0, config(soft_timeout=3.0)).chunk_max == 0.75
-    assert _OutcomeWait(store, 0, config()).chunk_max == 15.0  # 60 s / 4
+    assert OutcomeWait(store, 0, config(completion_timeout=2.0)).chunk_max == 0.5
+    assert OutcomeWait(store, 0, config(soft_timeout=3.0)).chunk_max == 0.75
+    assert OutcomeWait(store, 0, config()).chunk_max == 15.0  # 60 s / 4
 
 
 def test_a_rendezvous_counts_a_death_from_the_counter_read_before_it_arrives(server):  # noqa: F811

@@ -69,7 +69,7 @@ def check_stuck_rank_ended(records: list[dict], full_size: int) -> None:
     assert len(ours) == 1, incidents.build(records)
     if len(found) > 1:
         # a survivor left in a gloo send the abort does not fail, ended the same
-        # way: the README's known limitation, reported rather than hidden
+        # way: the known gloo limitation (docs/known-limitations.md), reported rather than hidden
         warnings.warn(f"more ranks stuck after the abort: {found}", stacklevel=2)
     stuck = ours[0]
     ended = float(stuck["what"].split("ended after ")[1].split(" s")[0])

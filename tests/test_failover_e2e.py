@@ -223,9 +223,9 @@ def test_worker_sigkill_relaunch_and_rejoin(tmp_path):
         assert sum(e["kind"] == "start" and e["world"] == 3 and e["rank"] == 2 for e in events) >= 1
         survivors = {r for r in range(4) if r not in victims}
         # The survivors' processes were never restarted (incarnation 0 all along),
-        # but for the README's known limitation: a survivor left in a gloo send
-        # that the abort does not fail, ended by the bounded unwind and relaunched.
-        # That one must say so in the log; it is reported, not hidden.
+        # but for the known gloo limitation (docs/known-limitations.md): a survivor
+        # left in a gloo send that the abort does not fail, ended by the bounded unwind
+        # and relaunched. That one must say so in the log; it is reported, not hidden.
         restarted = {e["rank"] for e in events if e["rank"] in survivors and e["incarnation"]}
         stuck = stuck_after_the_abort(launch, restarted)
         assert restarted == stuck, (
@@ -271,17 +271,17 @@ def test_controller_sigkill_is_recovered(tmp_path):
 
 def stuck_after_the_abort(launch: Launch, ranks) -> set[int]:
     """Which of ``ranks`` the bounded unwind ended as stuck in native code after the
-    abort, per the launcher's log: the README's known gloo limitation (a send the
-    abort does not fail), seen in about one test of a suite run. Such a rank is
-    relaunched like a killed one; tests accept it only when the log says so, and
-    report it as a warning."""
+    abort, per the launcher's log: the known gloo limitation of
+    docs/known-limitations.md (a send the abort does not fail), seen in about one
+    test of a suite run. Such a rank is relaunched like a killed one; tests accept
+    it only when the log says so, and report it as a warning."""
     text = Path(launch.log.name).read_text(errors="replace")
     pattern = r"rank {}/\d+\.\S+: stuck in native code after the abort"
     stuck = {r for r in ranks if re.search(pattern.format(r), text)}
     if stuck:
         warnings.warn(
             f"rank(s) {sorted(stuck)} stuck in native code after the abort were relaunched "
-            "(the README's known gloo limitation)",
+            "(the known gloo limitation, docs/known-limitations.md)",
             stacklevel=2,
         )
     return stuck

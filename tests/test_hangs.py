@@ -82,7 +82,7 @@ def check_only_victim_lost(result, lost=True):
     """Only the victim (if ``lost``) was lost; the others finished together.
 
     Returns the ranks that finished. One more rank may be missing, and only as
-    the README's known gloo limitation: ended by the bounded unwind, left in a
+    the known gloo limitation (docs/known-limitations.md): ended by the bounded unwind, left in a
     send of the ring all-reduce that gloo fails for nobody after a peer's
     connection was torn down (reported as a warning rather than hidden).
     """

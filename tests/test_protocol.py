@@ -407,9 +407,9 @@ def test_a_complete_rendezvous_is_decided_from_the_reads_that_found_it_complete(
 def test_a_death_never_logged_delays_a_decision_boundedly(monkeypatch):
     """A listed death without its fault entry (never written by the protocol, which
     logs first): decided without it after the bound."""
-    from inprocess import store as store_module
+    from inprocess.store import rendezvous as rendezvous_module
 
-    monkeypatch.setattr(store_module, "COUNTED_WAIT", 0.1)
+    monkeypatch.setattr(rendezvous_module, "COUNTED_WAIT", 0.1)  # where _decide reads it
     store = HashStore()
     store.add_entry(P.TERMINATED, "1/0.b")
     store.add_entry(P.arrivals_key("r"), "0/0.a=")

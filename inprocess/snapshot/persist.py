@@ -18,7 +18,8 @@ the first writer, mode 0600, checked like every file). The key lives with the
 snapshots, not with the job: a later launch (another job secret) restores
 them; what they come from is established by ownership, not by the key.
 
-What a restore trusts (see the README's security section): ``snapshot_dir``
+What a restore trusts (see docs/reliability-and-security.md, "What the job trusts
+on disk"): ``snapshot_dir``
 and every step below it must be owned by this user and not writable by group
 or others, with no symlink below it (:func:`scan` refuses anything else by
 name, :class:`SnapshotTrustError`, before a byte of it is read: the skeleton
