@@ -119,8 +119,8 @@ class RelayClient:
     def arrive(self, name: str, identity: str, value: str, participants: int) -> bool:
         """Hands an arrival at rendezvous ``name`` to the relay; whether one took it.
 
-        The relay's process is read once, and again when the relay's socket
-        stopped answering (another member leads now).
+        The relay's process is read once, and again when it ended or the relay's
+        socket stopped answering (another member leads now).
         """
         sock = self._bind()
         if sock is None:
@@ -128,7 +128,11 @@ class RelayClient:
         data = _SEP.join((name, identity, value, str(participants), self.path)).encode()
         sock.settimeout(1.0)
         for attempt in range(2):
-            if self.relay is None or attempt:
+            # Invariant: the arrival goes to the relay whose process is watched. A
+            # relay that ended since the last arrival has a successor (or none):
+            # read again, or its death would send this rank off at every barrier
+            # while the successor holds its arrival.
+            if self.relay is None or attempt or self._relay_ended():
                 self._watch(self._relay_process())
                 if self.relay is None:
                     return False
@@ -179,6 +183,14 @@ class RelayClient:
     def relay_alive(self) -> bool:
         """Whether the process of the relay that took the last arrival still runs."""
         return self.relay is not None and process_start_time(self.relay[0]) == self.relay[1]
+
+    def _relay_ended(self) -> bool:
+        """Whether the watched relay's process ended (never waits)."""
+        if self._relay_fd is None:
+            return not self.relay_alive()
+        poller = select.poll()
+        poller.register(self._relay_fd, select.POLLIN)
+        return bool(poller.poll(0))
 
     def _watch(self, relay: tuple[int, float] | None) -> None:
         """Takes ``relay`` as the relay's process, with a pidfd of it where the

@@ -486,7 +486,8 @@ def test_a_relay_killed_mid_barrier_costs_a_chunk_not_a_hang(ranks):
 def test_a_rank_waiting_on_a_relay_hears_of_its_death_at_once(tmp_path):
     """The relay's process dies while a rank waits for its answer (a SIGKILLed rank that
     led its node): the wait ends at once, not at the end of its chunk (seconds per
-    barrier), and the rank sees the relay gone; a relay that lives is still waited for."""
+    barrier), and the rank sees the relay gone; a relay that lives is still waited for,
+    the successor of a dead one too."""
     import socket
 
     from inprocess.procfs import process_start_time
@@ -511,6 +512,22 @@ def test_a_rank_waiting_on_a_relay_hears_of_its_death_at_once(tmp_path):
         relay.wait()
         assert not client.relay_alive()
         assert waited < 10, waited  # at once (0.5 s), not after the 30 s asked for
+        # A successor leads: the next arrival goes to it and waits for its answer
+        # (the dead one's pidfd must not send the rank off at every barrier).
+        successor = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        try:
+            while process_start_time(successor.pid) is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            start = process_start_time(successor.pid)
+            (tmp_path / RELAY_OWNER).write_text(f"{successor.pid} {start}")
+            assert client.arrive("i1/t", "0/0.a", "", 2)
+            assert client.relay == (successor.pid, start)
+            started = time.monotonic()
+            assert client.receive("i1/t", 0.3) is None
+            assert time.monotonic() - started >= 0.25 and client.relay_alive()
+        finally:
+            successor.kill()
+            successor.wait()
     finally:
         client.close()
         sock.close()
