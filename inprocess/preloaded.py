@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import os
 import sys
 
@@ -42,7 +43,7 @@ def warm_imports() -> None:
     try:
         import torch._dynamo
     except Exception as ex:  # a build without it: the first optimizer pays, as without us
-        sys.stderr.write(f"inprocess: torch._dynamo not preloaded: {ex!r}\n")
+        logging.getLogger(__name__).warning("torch._dynamo not preloaded: %r", ex)
     del torch
 
 

@@ -4,6 +4,7 @@ package's layering (which module may import which; no import cycle)."""
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 from collections.abc import Collection
 from pathlib import Path
@@ -210,11 +211,15 @@ def test_layering_holds():
     assert layering_violations(root) == []
 
 
+def _plant(root: Path, path: str, text: str = "") -> None:
+    """Writes module ``inprocess/<path>`` under ``root``: a layout planted for the check."""
+    file = root / "inprocess" / path
+    file.parent.mkdir(parents=True, exist_ok=True)
+    file.write_text(text)
+
+
 def test_layering_check_reports_a_planted_violation(tmp_path):
-    def module(path: str, text: str = "") -> None:
-        file = tmp_path / "inprocess" / path
-        file.parent.mkdir(parents=True, exist_ok=True)
-        file.write_text(text)
+    module = functools.partial(_plant, tmp_path)
 
     module("__init__.py")
     module("security.py")
@@ -244,10 +249,7 @@ def test_layering_check_reads_a_package_as_its_modules(tmp_path):
     from inside it, a submodule imported from outside brings its package's
     ``__init__`` along, and a package importing its own submodules is no cycle."""
 
-    def module(path: str, text: str = "") -> None:
-        file = tmp_path / "inprocess" / path
-        file.parent.mkdir(parents=True, exist_ok=True)
-        file.write_text(text)
+    module = functools.partial(_plant, tmp_path)
 
     module("__init__.py")
     module("security.py")
