@@ -26,25 +26,28 @@ _PR_SET_PDEATHSIG = 1
 
 
 def warm_imports() -> None:
-    """The imports every worker makes, done ahead of time by a preloaded process.
-
-    ``torch``, ``torch.distributed`` and the Wrapper's modules, and
-    ``torch._dynamo``, which the first optimizer a script builds imports lazily
-    (its steps are wrapped to disable dynamo): about as long as ``import torch``
-    itself, paid after a relaunched worker joined, while the job waits for it
-    to restore. None of them starts a thread, initializes CUDA or makes a
-    process group: a fork of this process stays safe.
-    """
+    """The imports every worker makes, done ahead of time by a preloaded process:
+    ``torch``, ``torch.distributed`` and the Wrapper's modules. None of them starts
+    a thread, initializes CUDA or makes a process group: a fork stays safe."""
     import torch
     import torch.distributed
 
     import inprocess.wrap  # noqa: F401  (the Wrapper's modules: most of a second)
 
+    del torch
+
+
+def lazy_imports() -> None:
+    """What a worker imports later, on the job's time, done once the preloaded
+    process said it is ready (so its readiness is not delayed by it; an
+    assignment that arrives meanwhile waits for it, still sooner than a fresh
+    process): ``torch._dynamo``, which the first optimizer a script builds
+    imports lazily (its steps are wrapped to disable dynamo), about as long as
+    ``import torch`` itself. It starts no thread either."""
     try:
-        import torch._dynamo
+        import torch._dynamo  # noqa: F401
     except Exception as ex:  # a build without it: the first optimizer pays, as without us
         logging.getLogger(__name__).warning("torch._dynamo not preloaded: %r", ex)
-    del torch
 
 
 def die_with_parent(sig: int) -> None:

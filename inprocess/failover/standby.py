@@ -98,6 +98,7 @@ from ..preloaded import (
     ROOM_ENV,
     ROOM_SIZE,
     die_with_parent,
+    lazy_imports,
     reopen_stdio,
     show_environ,
     warm_imports,
@@ -464,6 +465,7 @@ def serve(sock: socket.socket) -> int:
     ready, then its assignment, then the worker it is assigned to be."""
     with contextlib.suppress(OSError):
         sock.sendall(_READY)
+    lazy_imports()  # (a forked standby's zygote made them: nothing left to do)
     try:
         received = _receive(sock)
     except OSError:

@@ -57,7 +57,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..preloaded import ROOM_ENV, ROOM_SIZE, die_with_parent, show_environ, warm_imports
+from ..preloaded import (
+    ROOM_ENV,
+    ROOM_SIZE,
+    die_with_parent,
+    lazy_imports,
+    show_environ,
+    warm_imports,
+)
 from ..proctitle import set_title
 
 log = logging.getLogger(__name__)
@@ -386,6 +393,7 @@ def main(fd: int, parent: int, become_standby: Callable[[dict[str, str], int, in
     gc.freeze()
     with contextlib.suppress(OSError):
         sock.sendall(b"ready")
+    lazy_imports()  # after "ready": a fork asked for meanwhile waits for it, its children have it
     children: dict[int, int] = {}  # pidfd -> pid
     while True:
         readable, _, _ = select.select([sock, *children], [], [])

@@ -50,6 +50,7 @@ from ..preloaded import (
     ROOM_ENV,
     ROOM_SIZE,
     die_with_parent,
+    lazy_imports,
     reopen_stdio,
     show_environ,
     warm_imports,
@@ -194,6 +195,7 @@ def _main(fd: int, parent: int) -> None:
     # The warm imports (what every rank imports): no threads, no process group.
     warm_imports()
     sock.sendall(b"ready")
+    lazy_imports()  # after "ready": a fork asked for meanwhile waits for it, its children have it
     children: dict[int, int] = {}  # pidfd -> pid
     while True:
         readable, _, _ = select.select([sock, *children], [], [])
