@@ -50,6 +50,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -165,19 +166,27 @@ def run_steps(model, opt, ways: Ways, way: str, n: int, batch: int, hidden: int,
 
 
 def calibrate(model, opt, ways: Ways, hidden: int, target_s: float) -> int:
-    """The batch whose step takes about ``target_s`` without snapshots: doubled
-    until the step takes half of it (small batches all take the GPU's fixed
-    latency), then up to four corrections (a busy GPU's step time is about
-    proportional to its batch)."""
+    """The batch whose step takes about ``target_s`` without snapshots."""
 
     def measure(b: int) -> float:
         run_steps(model, opt, ways, "none", 3, b, hidden, 0)
         return statistics.median(run_steps(model, opt, ways, "none", 8, b, hidden, 0))
 
-    b, most = 512, 1 << 17
+    return calibrated_batch(measure, target_s)
+
+
+def calibrated_batch(
+    measure: Callable[[int], float], target_s: float, start: int = 512, most: int = 1 << 17
+) -> int:
+    """The batch (at most ``most``) whose ``measure`` is about ``target_s``: doubled
+    from ``start`` until a step takes half of it (small batches all take the GPU's
+    fixed latency, so no line through two of them says anything), then up to four
+    proportional corrections (a busy GPU's step time is about proportional to
+    its batch)."""
+    b = start
     t = measure(b)
     while t < target_s / 2 and b < most:
-        b *= 2
+        b = min(most, b * 2)
         t = measure(b)
     for _ in range(4):
         if abs(t / target_s - 1) < 0.03:

@@ -16,6 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from inprocess.failover.cli import _lock_dir
 from inprocess.failover.state import Stage, load_state
 from inprocess.failover.supervisor import job_processes
 
@@ -184,6 +185,10 @@ def check_after_run(launch: Launch) -> None:
     while job_processes(launch.job_id) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not job_processes(launch.job_id), "a process of the job outlived it"
+    code = launch.proc.poll()
+    if code is not None and code >= 0:  # (a launcher killed by a signal leaves its lock file)
+        lock = _lock_dir() / f"job-{launch.job_id}.lock"
+        assert not lock.exists(), f"the job id's lock file {lock} outlived the launcher"
 
 
 @pytest.mark.timeout(300)

@@ -34,7 +34,11 @@ from test_failover_e2e import (  # noqa: E402
     check_clean_success,
 )
 
-from inprocess.failover.backends.ray import split_worker_pid  # noqa: E402
+from inprocess.failover.backends.ray import (  # noqa: E402
+    AGENT_DIR_PREFIX,
+    remove_ended_agents_dirs,
+    split_worker_pid,
+)
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.xdist_group("ray")]
 
@@ -290,3 +294,31 @@ def test_pids_of_different_machines_never_collide():
     assert split_worker_pid(a) == (0, 4242) and split_worker_pid(b) == (1, 4242)
     assert split_worker_pid(worker_pid(7, PLACEHOLDER_PID + 5)) == (7, PLACEHOLDER_PID + 5)
     assert split_worker_pid(worker_pid(3, (1 << 22) - 1)) == (3, (1 << 22) - 1)
+
+
+@pytest.mark.timeout(60)
+def test_the_directories_of_ended_node_agents_are_removed_and_no_other(tmp_path):
+    """A node agent killed with its actor (its node lost) never ran its shutdown:
+    the next agent on the host removes its directory, and only such directories."""
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    living = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        outside = tmp_path / "outside"
+        outside.mkdir()
+        (outside / "kept").write_text("x")
+        parent = tmp_path / "private"
+        parent.mkdir()
+        for name in (f"{ended.pid}-a", f"{os.getpid()}-b", f"{living.pid}-c", "x1-d"):
+            (parent / f"{AGENT_DIR_PREFIX}{name}").mkdir()
+            (parent / f"{AGENT_DIR_PREFIX}{name}" / "zygote.sock").write_text("")
+        (parent / f"{AGENT_DIR_PREFIX}{ended.pid}-link").symlink_to(outside)
+        remove_ended_agents_dirs(parent)
+        assert sorted(p.name for p in parent.iterdir()) == sorted(
+            f"{AGENT_DIR_PREFIX}{n}"
+            for n in (f"{os.getpid()}-b", f"{living.pid}-c", "x1-d", f"{ended.pid}-link")
+        )
+        assert (outside / "kept").exists()
+    finally:
+        living.kill()
+        living.wait()

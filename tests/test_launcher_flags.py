@@ -24,6 +24,7 @@ import pytest
 
 from inprocess._net import free_port
 from inprocess.failover import cli
+from inprocess.failover.state import StateError
 
 # tiny workers without torch: spawned (a standby zygote would import torch for them)
 RUN = [sys.executable, "-m", "inprocess.failover.cli", "--standby", "0"]
@@ -243,3 +244,46 @@ def test_nproc_per_node_words_and_a_taken_master_port(tmp_path, capsys) -> None:
         )
     assert code == 2
     assert f"--master-port {port}: cannot listen on 127.0.0.1" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------- the job id's lock
+
+
+def test_a_job_id_lock_is_exclusive_and_its_file_goes_with_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(cli, "_lock_dir", lambda: tmp_path)
+    first = cli.lock_job_id("j")
+    with pytest.raises(StateError, match=r"--job-id 'j' is already used by a live job .*pid \d+"):
+        cli.lock_job_id("j")
+    first.release()
+    assert not (tmp_path / "job-j.lock").exists()
+    first.release()  # (idempotent)
+    second = cli.lock_job_id("j")
+    assert (tmp_path / "job-j.lock").exists()
+    second.release()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_job_id_lock_won_on_a_file_its_holder_just_removed_is_taken_again(
+    tmp_path, monkeypatch
+):
+    """The race of removing a lock file: a launch opens the file, the job holding
+    it ends (removes the file, gives the lock up), the launch then wins the lock
+    on the removed file. It must not count: a third launch would create the file
+    anew and win too (two live jobs with one id)."""
+    monkeypatch.setattr(cli, "_lock_dir", lambda: tmp_path)
+    real_flock, calls = fcntl.flock, []
+
+    def flock(fd, op):
+        calls.append(fd)
+        if len(calls) == 1:
+            (tmp_path / "job-j.lock").unlink()  # the holder ended between open and flock
+        return real_flock(fd, op)
+
+    monkeypatch.setattr(cli.fcntl, "flock", flock)
+    lock = cli.lock_job_id("j")
+    assert len(calls) == 2  # the open was made again
+    assert cli._same_file(lock.fd, tmp_path / "job-j.lock")
+    monkeypatch.setattr(cli.fcntl, "flock", real_flock)
+    with pytest.raises(StateError):
+        cli.lock_job_id("j")  # the file the path names is the one held
+    lock.release()

@@ -336,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise StateError(f"{flag} {log_dir.parent}: {ex.strerror or ex}") from None
     except (StateError, OSError) as ex:
         if lock is not None:
-            os.close(lock)
+            lock.release()
         _undo_start(state_dir, store.path if created else None, made_dir)
         if isinstance(ex, StateError):
             return _error(str(ex))
@@ -382,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
         ).run()
     finally:
         console.stop()
-        os.close(lock)
+        lock.release()
 
 
 #: torchrun's flags that mean nothing here, and what to do instead
@@ -776,30 +776,60 @@ def _lock_dir() -> Path:
         raise StateError(f"no private directory for job-id locks in {LOCK_BASE}: {ex}") from None
 
 
-def lock_job_id(job_id: str) -> int:
-    """Claims ``job_id`` for this process; returns the lock's fd (keep it open).
+class JobIdLock:
+    """This process's claim on a job id: an exclusive ``flock`` on a per-user lock
+    file, released by the kernel when the process ends, however it ends, and
+    atomic (two launches cannot both win). :meth:`release` also removes the file."""
 
-    An exclusive ``flock`` on a per-user lock file: released by the kernel when
-    this process ends, however it ends, and atomic (two launches cannot both
-    win).
+    def __init__(self, job_id: str) -> None:
+        self.path = _lock_dir() / f"job-{job_id}.lock"
+        # Invariant: the lock held is on the file that the path names. A launcher
+        # that ends removes its file while it still holds the lock (release), so a
+        # lock won on a file already removed guards nothing: open the path again.
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+                os.close(fd)
+                raise StateError(
+                    f"--job-id {job_id!r} is already used by a live job (inprocess-run pid "
+                    f"{holder}); choose another id or wait for that job to end"
+                ) from None
+            if _same_file(fd, self.path):
+                break
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self.fd: int | None = fd
+
+    def release(self) -> None:
+        """Removes the lock file, then gives the lock up (idempotent)."""
+        fd, self.fd = self.fd, None
+        if fd is None:
+            return
+        if _same_file(fd, self.path):
+            with contextlib.suppress(OSError):
+                self.path.unlink()
+        os.close(fd)
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        st, fst = os.stat(path, follow_symlinks=False), os.fstat(fd)
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) == (fst.st_dev, fst.st_ino)
+
+
+def lock_job_id(job_id: str) -> JobIdLock:
+    """Claims ``job_id`` for this process (see :class:`JobIdLock`).
 
     Raises:
         StateError: a live job uses ``job_id`` (names its launcher's pid).
     """
-    path = _lock_dir() / f"job-{job_id}.lock"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
-        os.close(fd)
-        raise StateError(
-            f"--job-id {job_id!r} is already used by a live job (inprocess-run pid {holder}); "
-            "choose another id or wait for that job to end"
-        ) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
+    return JobIdLock(job_id)
 
 
 def _flag_names(message: str) -> str:

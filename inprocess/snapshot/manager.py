@@ -130,6 +130,16 @@ class Snapshots:
         moved = 0
         slot: HostSnapshot | None = None
         started: float | None = None
+        # One CRC pass per snapshot and restore: a rank that sends the snapshot it
+        # restores itself from (a survivor healing a new rank) reads it once.
+        # (Nothing writes into a sealed snapshot while this restore runs.)
+        crcs: dict[int, dict[str, int]] = {}
+
+        def sums_of(snap: HostSnapshot) -> dict[str, int]:
+            if id(snap) not in crcs:
+                crcs[id(snap)] = snap.checksums()
+            return crcs[id(snap)]
+
         #: every rank's snapshots on disk that failed their checks: the same list on every rank
         rejected: list[dict[str, Any]] = []
         unusable: frozenset[tuple[int, int]] = frozenset()  # this rank's reads that failed
@@ -231,10 +241,13 @@ class Snapshots:
                     snap = self._find(sh, step)
                     assert snap is not None
                     sends.append((receiver, snap))
-                    sent[sh] = snap.checksums()
             moved += transfer.exchange(sends, receives, pg)
             if slot is not None:
                 slot.seal()
+            # After the exchange, not before: the receivers wait for the bytes, not
+            # for the sender's checksums (they compare them only at the end)
+            for _receiver, snap in sends:
+                sent[snap.shard] = sums_of(snap)
         if source.kind == policy.MEMORY:
             slot = self._find(shard, step)
             assert slot is not None
@@ -251,7 +264,7 @@ class Snapshots:
             slot.load_into(state)
         self.newest = step if step > 0 else None
         self._commit_times.clear()
-        sums = slot.checksums() if slot is not None and step > 0 else {}
+        sums = sums_of(slot) if slot is not None and step > 0 else {}
         outcome = transfer.all_gather((sums, sent, time.monotonic() - started, moved), pg)
         mismatch = _mismatches(outcome, plan, replicated)
         record = {

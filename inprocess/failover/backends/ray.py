@@ -40,6 +40,7 @@ from typing import Any
 
 import ray
 
+from ...userdir import user_dir
 from ..processes import process_start_time
 from ..standby import common_env
 from ..store_server import SpareStoreServer, StoreServer, start_store_server
@@ -90,6 +91,34 @@ def controller_name(job_id: str) -> str:
     return f"{job_id}/controller"
 
 
+#: a node agent's working directory in this user's private directory: ``agent-<pid>-*``
+AGENT_DIR_PREFIX = "agent-"
+
+
+def agent_dir() -> Path:
+    """A fresh working directory for this process's node agent, in this user's
+    private directory (else the temporary directory); first removes those of
+    agents that ended without :meth:`NodeAgent.shutdown` (killed with their actor)."""
+    try:
+        parent = user_dir()
+    except OSError:
+        return Path(tempfile.mkdtemp(prefix=f"inprocess-{AGENT_DIR_PREFIX}"))
+    remove_ended_agents_dirs(Path(parent))
+    return Path(tempfile.mkdtemp(prefix=f"{AGENT_DIR_PREFIX}{os.getpid()}-", dir=parent))
+
+
+def remove_ended_agents_dirs(parent: Path) -> None:
+    """Removes ``parent``'s agent directories whose process has ended (a pid that
+    lives, maybe reused, keeps its directory: a leftover, never a live one removed)."""
+    for path in parent.glob(f"{AGENT_DIR_PREFIX}*-*"):
+        pid = path.name[len(AGENT_DIR_PREFIX) :].split("-", 1)[0]
+        if not pid.isdigit() or not path.is_dir() or path.is_symlink():
+            continue
+        if int(pid) == os.getpid() or process_start_time(int(pid)) is not None:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+
+
 class NodeAgent:
     """Starts and watches the worker processes of one node (a Ray actor).
 
@@ -102,7 +131,7 @@ class NodeAgent:
     def __init__(self, job_id: str, slot: int) -> None:
         self.job_id = job_id
         self.slot = slot
-        self._dir = Path(tempfile.mkdtemp(prefix="inprocess-agent-"))
+        self._dir = agent_dir()
         # never waits for a zygote: the controller's calls to this agent have a deadline
         self._backend = LocalBackend(self._dir, die_with_parent=True, zygote_wait=0.0)
         self._started: dict[int, float] = {}  # pid -> start time, of every worker started here
