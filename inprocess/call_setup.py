@@ -30,7 +30,11 @@ from . import generation as _gen
 from . import monitor_thread as _mt
 from . import node as _node
 from . import protocol
-from .abort.rendezvous import complete_stranded_gloo_init, fresh_env_rendezvous
+from .abort.rendezvous import (
+    complete_stranded_gloo_init,
+    fresh_env_rendezvous,
+    put_back_what_iterations_replaced,
+)
 from .exception import StoreError
 from .monitor_process import MonitorConfig, MonitorProcess
 from .monitor_thread import InterruptSignal, MonitorThread, RankShouldRestart
@@ -327,6 +331,7 @@ def start_machinery(
     )
     cleanup.enter_context(unraisable)
     cleanup.enter_context(restore_environment("RANK", "WORLD_SIZE", "TORCHELASTIC_USE_AGENT_STORE"))
+    cleanup.callback(put_back_what_iterations_replaced)  # (an interrupted iteration's)
     return Machinery(board, relay, monitor, watchdog, interrupt, thread)
 
 

@@ -49,12 +49,16 @@ if os.environ.get("TEST_STATE_DIR") and os.environ["RANK"] == "0":
 time.sleep(float(os.environ.get("TEST_LINGER", 0)))
 """
 
-#: prints one line to stdout and one to stderr, naming its rank and what it was given
+#: prints one line to stdout and one to stderr, naming its rank and what it was given.
+#: Each line is one write: with PYTHONUNBUFFERED (the launcher sets it for a worker
+#: writing to a file) print() writes the text and its newline apart, and on the
+#: console both streams share, a line of another process (the launcher's log, a
+#: tee'd line) could land between them.
 HELLO = """\
 import os, sys
 rank = os.environ["RANK"]
-print(f"out rank {rank} port {os.environ['MASTER_PORT']} args {sys.argv[1:]}")
-print(f"err rank {rank}", file=sys.stderr)
+sys.stdout.write(f"out rank {rank} port {os.environ['MASTER_PORT']} args {sys.argv[1:]}\\n")
+sys.stderr.write(f"err rank {rank}\\n")
 """ + RECORD
 
 

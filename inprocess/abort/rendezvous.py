@@ -259,6 +259,10 @@ def close_stranded_connections() -> None:
 #: process groups the function destroyed, kept until the next iteration starts
 _destroyed_groups: list[Any] = []
 
+#: attribute of what this module puts in torch's place for an iteration (the
+#: ``env://`` handler, ``destroy_process_group``): what it replaced
+_ORIGINAL = "_inprocess_replaced"
+
 
 @contextlib.contextmanager
 def _keep_destroyed_groups() -> Iterator[None]:
@@ -277,18 +281,22 @@ def _keep_destroyed_groups() -> Iterator[None]:
     from torch.distributed import distributed_c10d as c10d
 
     _destroyed_groups.clear()
-    original = c10d.destroy_process_group
+    # torch's function, also under a wrapper that an interrupted iteration left
+    # behind (see fresh_env_rendezvous): wrappers never nest
+    original = getattr(c10d.destroy_process_group, _ORIGINAL, c10d.destroy_process_group)
 
     @functools.wraps(original)
     def destroy_process_group(group: Any = None) -> None:
         _destroyed_groups.extend(list(c10d._world.pg_map) if group is None else [group])
         original(group)
 
+    setattr(destroy_process_group, _ORIGINAL, original)
     patched = [(module, "destroy_process_group") for module in (dist, c10d)]
     saved = [getattr(module, name) for module, name in patched]
-    for module, name in patched:
-        setattr(module, name, destroy_process_group)
+    saved = [getattr(value, _ORIGINAL, value) for value in saved]
     try:
+        for module, name in patched:
+            setattr(module, name, destroy_process_group)
         yield
     finally:
         for (module, name), value in zip(patched, saved, strict=True):
@@ -334,6 +342,23 @@ def _start_group_names(iteration: int) -> None:
         c10d._world.group_count = iteration * GROUP_NAME_STRIDE
 
 
+def put_back_what_iterations_replaced() -> None:
+    """Torch's ``env://`` handler and ``destroy_process_group`` back in place where an
+    iteration cut short (see :func:`fresh_env_rendezvous`) left its own installed:
+    at the end of a call, so that code after it rendezvouses as torch does."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    handlers = importlib.import_module("torch.distributed.rendezvous")._rendezvous_handlers
+    left_behind = getattr(handlers.get("env"), _ORIGINAL, None)
+    if left_behind is not None:
+        handlers["env"] = left_behind[0]
+    for module in (dist, c10d):
+        original = getattr(module.destroy_process_group, _ORIGINAL, None)
+        if original is not None:
+            module.destroy_process_group = original
+
+
 @contextlib.contextmanager
 def fresh_env_rendezvous(store: PrefixStore, iteration: int) -> Iterator[None]:
     """Makes ``env://`` rendezvous of this iteration use fresh keys.
@@ -345,6 +370,18 @@ def fresh_env_rendezvous(store: PrefixStore, iteration: int) -> Iterator[None]:
     rdzv = importlib.import_module("torch.distributed.rendezvous")
     handlers = rdzv._rendezvous_handlers
     original = handlers.get("env")
+    saved_agent = os.environ.get(AGENT_STORE_ENV)
+    # Invariant: at most one handler of ours is installed, over torch's own, and
+    # AGENT_STORE_ENV is the user's whenever none is. The restart exception is
+    # raised asynchronously, at any bytecode of the iteration: in the setup
+    # below before its `try`, or in the `finally` before it restores. A handler
+    # left behind so is replaced here, never wrapped: wrapped, this iteration's
+    # keys would carry both prefixes on this rank alone, its peers would wait for
+    # its address in the group's rendezvous for good (and so would it for
+    # theirs), and so in every later iteration. It carries what it replaced.
+    left_behind = getattr(original, _ORIGINAL, None)
+    if left_behind is not None:
+        original, saved_agent = left_behind
     if original is None:
         yield
         return
@@ -355,14 +392,14 @@ def fresh_env_rendezvous(store: PrefixStore, iteration: int) -> Iterator[None]:
         for user_store, rank, world_size in original(*args, **kwargs):
             yield PrefixStore(prefix, user_store), rank, world_size
 
+    setattr(handler, _ORIGINAL, (original, saved_agent))
     global _baseline
-    saved_agent = os.environ.get(AGENT_STORE_ENV)
-    if _serves_master_address(store.base_store):
-        os.environ[AGENT_STORE_ENV] = str(True)
-    handlers["env"] = handler
-    _start_group_names(iteration)
-    _baseline = set(socket_inodes())
     try:
+        if _serves_master_address(store.base_store):
+            os.environ[AGENT_STORE_ENV] = str(True)
+        handlers["env"] = handler
+        _start_group_names(iteration)
+        _baseline = set(socket_inodes())
         with _keep_destroyed_groups():
             yield
     finally:
