@@ -30,8 +30,9 @@ One command, at most about 5 minutes on one GPU, JSON lines on stdout:
    against the fault-free run's, the steps redone per fault, the exit code of
    the rank whose GPU faulted and whether anything printed ``terminate
    called``; ``kind: rejoin``: kill to full size per kill, median and max, and
-   each kill's timeline (relaunched, the replacement's script running, the
-   survivor restarted at reduced size, both ranks at full size).
+   each kill's timeline (relaunched, the replacement's script running and what
+   its CUDA start took, the survivor restarted at reduced size, the full-size
+   iteration's restore, both ranks at full size).
 
     .venv/bin/python benchmarks/gpu_state.py                  # on a GPU machine
     .venv/bin/python benchmarks/gpu_state.py --device cpu --quick   # smoke test here
@@ -337,13 +338,20 @@ def faults_phase(args, root: Path) -> bool:
             back = max(s["time"] for s in full if s["iteration"] == iteration)
             rejoin.append(back - fault["time"])
             relaunch = next((r["time"] for r in relaunches if r["time"] > fault["time"]), None)
-            script = [e["time"] for e in evs
+            script = [e for e in evs
                       if e["event"] == "script" and fault["time"] < e["time"] < back]  # fmt: skip
+            restores = [s["restore"] for s in full
+                        if s["iteration"] == iteration and s.get("restore")]  # fmt: skip
             timeline.append({
                 "rank": fault["rank"],
                 "relaunched_s": _since(relaunch, fault),
-                "script_s": _since(script[0] if script else None, fault),
+                "script_s": _since(script[0]["time"] if script else None, fault),
+                # of the script's start: CUDA's driver and the device's context
+                "cuda_start_s": script[0].get("cuda") if script else None,
                 "reduced_size_s": _since(min(s["time"] for s in after), fault),
+                # the full-size iteration's restore (a peer sends the new rank its state)
+                "restore_s": max((r["seconds"] for r in restores), default=None),
+                "restore_mb": round(max((r["bytes"] for r in restores), default=0) / 1e6, 1),
                 "full_size_s": round(back - fault["time"], 3),
             })  # fmt: skip
     ok = rc == 0 and bool(done) and done[0]["crc"] == clean[0]["crc"]

@@ -19,7 +19,8 @@ so that each kill finds the launcher's standby ready, as in a real job): ``raise
 (an exception), ``kill`` (SIGKILL of itself), ``assert`` (a device-side
 assert: an out-of-bounds index in a CUDA kernel, seen at the next
 synchronization). Every rank appends JSON lines to ``<out>/events.jsonl``:
-``script`` (the script reached its main: after its imports and CUDA's start),
+``script`` (the script reached its main: after its imports and CUDA's start, with
+the seconds CUDA's start took),
 ``start`` (iteration, world size, step restored, restore record), ``fault``,
 ``done`` (the parameters' CRC-32, rank 0's).
 """
@@ -59,9 +60,17 @@ args = p.parse_args()
 
 RANK = int(os.environ["RANK"])
 LOCAL_RANK = int(os.environ.get("LOCAL_RANK", "0"))
+#: seconds the script's start spent making CUDA ready: the driver (``device_count``),
+#: then the device's context (``set_device`` and a first allocation)
+CUDA_START: dict[str, float] = {}
 if args.device == "cuda":
     # as GPU scripts do, before the wrapped function (ranks share GPU 0 on a 1-GPU machine)
-    torch.cuda.set_device(LOCAL_RANK % torch.cuda.device_count())
+    t0 = time.monotonic()
+    count = torch.cuda.device_count()
+    t1 = time.monotonic()
+    torch.cuda.set_device(LOCAL_RANK % count)
+    torch.empty(1, device="cuda")
+    CUDA_START = {"driver_s": round(t1 - t0, 4), "context_s": round(time.monotonic() - t1, 4)}
     DEVICE = torch.device("cuda", torch.cuda.current_device())
 else:
     DEVICE = torch.device("cpu")
@@ -159,5 +168,5 @@ def train(call_wrapper: inprocess.CallWrapper | None = None) -> None:
 if __name__ == "__main__":
     args.out.mkdir(parents=True, exist_ok=True)
     # when this process began, and when the script got here (the replacement's timeline)
-    event("script", created=psutil.Process().create_time())
+    event("script", created=psutil.Process().create_time(), cuda=CUDA_START)
     train()
