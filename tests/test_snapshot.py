@@ -364,7 +364,7 @@ def test_persisted_snapshots_are_complete_or_ignored_and_loadable_without_us(tmp
     for step in range(1, 8):
         state["data"]["next"] = step
         snaps.commit(state, step, 0)
-        snaps._persister.flush(30)
+        snaps.flush(30)
     snaps.close()
     # the two newest complete steps are kept
     assert persist.complete(str(tmp_path)) == {(0, 4), (0, 6)}
@@ -384,6 +384,146 @@ def test_persisted_snapshots_are_complete_or_ignored_and_loadable_without_us(tmp
     assert sm.fingerprint(model) == sm.fingerprint(fresh["model"])
     marker = json.loads(Path(persist.marker_path(str(tmp_path), 4, 0)).read_text())
     assert marker["step"] == 4 and set(marker["checksums"]) == {"model", "optim", "data", "n"}
+
+
+def _on_disk(root: Path, step: int) -> str:
+    """The model of ``step`` as written to disk, loaded without us: its fingerprint."""
+    import torch.distributed.checkpoint as dcp
+
+    model, _opt = sm.build()
+    target = {"model": model.state_dict()}
+    dcp.load(target, checkpoint_id=persist.shard_dir(str(root), step, 0), no_dist=True)
+    model.load_state_dict(target["model"])
+    return sm.fingerprint(model)
+
+
+def test_a_due_commit_neither_waits_for_its_copy_nor_copies_on_the_training_thread(
+    slow_copies, tmp_path, monkeypatch
+):
+    """persist_every costs the training thread nothing: the disk writer's thread
+    makes its private copy once the host copy landed."""
+    copied_on: list[str] = []
+    real = HostSnapshot.copy_from
+
+    def recording(self, other):
+        copied_on.append(threading.current_thread().name)
+        return real(self, other)
+
+    monkeypatch.setattr(HostSnapshot, "copy_from", recording)
+    state = _state()
+    model, opt = state["model"], state["optim"]
+    snaps = Snapshots(str(tmp_path), persist_every=1)
+    snaps.commit(state, 1, 0)  # due
+    assert slow_copies.wait(5)
+    assert snaps.own.slots[0].in_flight  # returned with its copy (0.3 s) in flight
+    expected = sm.fingerprint(model)
+    sm.apply(model, opt, sm.local_grads(model, 1, 0, 1))  # its optimizer step waits
+    snaps.commit(state, 2, 0)  # hands step 1 to the writer
+    assert snaps.flush(30)
+    assert copied_on == ["inprocess-snapshot-writer"] * 2
+    assert persist.complete(str(tmp_path)) == {(0, 1), (0, 2)}
+    assert _on_disk(tmp_path, 1) == expected
+    assert _on_disk(tmp_path, 2) == sm.fingerprint(model)
+    snaps.close()
+    assert not any(t.name == "inprocess-snapshot-writer" for t in threading.enumerate())
+
+
+def test_a_commit_that_finds_its_slot_held_by_the_disk_writer_is_coalesced(tmp_path, monkeypatch):
+    """The writer's copy of a slot outlasts two steps: the commit that would
+    rewrite that slot is skipped (never waits), the snapshot on disk is the held
+    step's, and a due step skipped so is written with the next commit."""
+    copying, go_on = threading.Event(), threading.Event()
+    real = HostSnapshot.copy_from
+
+    def slow(self, other):
+        if threading.current_thread().name == "inprocess-snapshot-writer" and other.step == 2:
+            copying.set()
+            go_on.wait(30)
+        return real(self, other)
+
+    monkeypatch.setattr(HostSnapshot, "copy_from", slow)
+    state = _state()
+    model, opt = state["model"], state["optim"]
+    snaps = Snapshots(str(tmp_path), persist_every=2)
+    snaps._copier.synchronous = True  # every host copy lands within its commit
+    fingerprints = {}
+    for step in (1, 2, 3, 4):
+        sm.apply(model, opt, sm.local_grads(model, step, 0, 1))
+        snaps.commit(state, step, 0)  # 2: due, landed, handed over at once
+        fingerprints[step] = sm.fingerprint(model)
+        if step == 2:
+            assert copying.wait(10)
+    # 3 went to the other slot; 4 (due) would rewrite step 2's: skipped
+    assert snaps.disk_coalesced == 1 and snaps.newest == 4
+    assert [s.step for s in snaps.own.held()] == [3, 2]
+    go_on.set()
+    assert snaps.flush(30)  # step 2's copy and write
+    sm.apply(model, opt, sm.local_grads(model, 5, 0, 1))
+    snaps.commit(state, 5, 0)  # not due, but owed (4 was skipped)
+    fingerprints[5] = sm.fingerprint(model)
+    assert snaps.flush(30)
+    assert [s.step for s in snaps.own.held()] == [5, 3]
+    assert persist.complete(str(tmp_path)) == {(0, 2), (0, 5)}
+    assert _on_disk(tmp_path, 2) == fingerprints[2]
+    assert _on_disk(tmp_path, 5) == fingerprints[5]
+    snaps.close()
+
+
+def test_while_the_disk_is_behind_nothing_is_held_and_the_newest_snapshot_is_written(
+    tmp_path, monkeypatch
+):
+    """A write slower than many steps: the due snapshots meanwhile are kept back
+    unheld (no commit skipped), each replaced by the next commit's, and the
+    newest is written once the writer is free (here: at the call's end)."""
+    writing, go_on = threading.Event(), threading.Event()
+    real = persist.Persister._write
+
+    def slow(self, snap, *args):
+        writing.set()
+        go_on.wait(30)
+        return real(self, snap, *args)
+
+    monkeypatch.setattr(persist.Persister, "_write", slow)
+    state = _state()
+    model, opt = state["model"], state["optim"]
+    snaps = Snapshots(str(tmp_path), persist_every=2)
+    snaps._copier.synchronous = True
+    for step in range(1, 8):
+        sm.apply(model, opt, sm.local_grads(model, step, 0, 1))
+        snaps.commit(state, step, 0)
+        if step == 2:
+            assert writing.wait(10)  # the writer copied step 2 and writes it, slowly
+        assert not any(s.held for s in snaps.own.slots)
+    assert snaps.disk_coalesced == 0 and [s.step for s in snaps.own.held()] == [7, 6]
+    assert snaps._persister.skipped == 2  # steps 4 and 6: a newer one came before the disk
+    go_on.set()
+    snaps.close()
+    assert persist.complete(str(tmp_path)) == {(0, 2), (0, 7)}
+    assert _on_disk(tmp_path, 7) == sm.fingerprint(model)
+
+
+def test_a_restart_gets_into_a_wait_for_the_disk_writer():
+    """An asynchronous exception (the restart's) ends the wait; the held snapshot
+    is left as it was."""
+    from inprocess.monitor_thread import async_raise
+
+    class Restart(Exception):
+        pass
+
+    slot = HostSnapshot()
+    slot.fill(1, 0, {"w": torch.ones(4)})
+    slot.hold()
+    timer = threading.Timer(0.2, async_raise, (threading.get_ident(), Restart))
+    timer.start()
+    try:
+        with pytest.raises(Restart):
+            slot.invalidate()
+    finally:
+        timer.join()
+    assert slot.step == 1 and slot.held
+    slot.unhold()
+    slot.invalidate()
+    assert slot.step is None
 
 
 # ------------------------------------------------------------------ the Wrapper

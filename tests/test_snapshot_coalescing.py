@@ -64,10 +64,10 @@ def test_a_due_step_that_was_coalesced_is_persisted_with_the_next_commit(tmp_pat
     snaps.commit(state, 2, 0)  # due, coalesced
     device.busy_now = False
     snaps.commit(state, 3, 0)  # not due, but owed
-    snaps._persister.flush(30)
+    snaps.flush(30)
     assert persist.complete(str(tmp_path)) == {(0, 3)}
     snaps.commit(state, 5, 0)  # neither due nor owed
-    snaps._persister.flush(30)
+    snaps.flush(30)
     assert persist.complete(str(tmp_path)) == {(0, 3)}
     snaps.close()
 

@@ -17,6 +17,11 @@ anything starts overwriting its buffer until every byte of the new state is
 in it (for CUDA copies: until the copy's event has completed), so a commit or
 transfer torn anywhere (an exception, an interruption, a crash) leaves a
 snapshot that is never restored, and the other slot intact.
+
+A complete snapshot may be *held* by another thread that reads it (the disk
+writer making its private copy, :class:`inprocess.snapshot.persist.Persister`):
+everything that changes a snapshot goes through :meth:`HostSnapshot.invalidate`
+first, and that waits until no hold is left.
 """
 
 from __future__ import annotations
@@ -65,6 +70,9 @@ class HostSnapshot:
         self._event: Any = None
         self._pending_step: int | None = None
         self._copier: HostCopier | None = None  # set before any copy is handed to it
+        #: readers on other threads (see :meth:`hold`), counted under ``_unheld``
+        self._holds = 0
+        self._unheld = threading.Condition()
 
     # ---------------------------------------------------------------- state
 
@@ -96,12 +104,41 @@ class HostSnapshot:
             return
         self.step = step
 
+    def hold(self) -> None:
+        """Keeps the (complete) snapshot as it is until :meth:`unhold`: a thread
+        other than the training thread reads it meanwhile."""
+        assert self.step is not None and self._event is None, "only a landed snapshot is held"
+        with self._unheld:
+            self._holds += 1
+
+    def unhold(self) -> None:
+        with self._unheld:
+            self._holds -= 1
+            if not self._holds:
+                self._unheld.notify_all()
+
+    @property
+    def held(self) -> bool:
+        return self._holds > 0
+
+    def _wait_unheld(self) -> None:
+        # Invariant: nothing changes a held snapshot (every change comes through
+        # invalidate()). A reader holds it for one memory copy of its bytes; the
+        # wait is chunked so that an asynchronous exception (a restart) gets in.
+        with self._unheld:
+            while self._holds:
+                self._unheld.wait(0.05)
+
     def invalidate(self) -> None:
         """Marks the snapshot incomplete; first thing before its buffer is overwritten.
 
-        Never raises for a CUDA context that broke: the copy that may still write
-        into the buffer is abandoned with the buffer (see :mod:`inprocess.device_fault`).
+        Waits for the readers that hold it first (they read its step and layout
+        too). Never raises for a CUDA context that broke: the copy that may
+        still write into the buffer is abandoned with the buffer (see
+        :mod:`inprocess.device_fault`).
         """
+        if self._holds:
+            self._wait_unheld()
         self.step = None
         self._pending_step = None
         if self._event is not None:

@@ -16,6 +16,7 @@ import pickle
 import time
 from typing import Any
 
+from .. import device_fault
 from . import layout, persist, policy, transfer
 from .buffers import DeviceCopier, HostCopier, HostSnapshot, SlotPair
 from .persist import SnapshotCorrupt, SnapshotTrustError
@@ -43,6 +44,11 @@ class Snapshots:
         self._device = DeviceCopier(staging)
         #: a due step's disk write that a coalesced commit skipped: the next commit's
         self._persist_owed = False
+        #: the newest snapshot due for the disk, not handed to the writer yet (its copy
+        #: was in flight, or the writer busy): ``(slot, step, due)`` (:meth:`_hand_over`)
+        self._to_persist: tuple[HostSnapshot, int, bool] | None = None
+        #: commits skipped because the disk writer still copied the slot they would write
+        self.disk_coalesced = 0
         self.replicated = True
         self.newest: int | None = None  # newest step committed (or restored) here
         self._commit_times: collections.deque[float] = collections.deque(maxlen=11)
@@ -124,6 +130,9 @@ class Snapshots:
                 "restore() needs torch.distributed initialized (init_process_group) first: "
                 f"WORLD_SIZE={os.environ['WORLD_SIZE']} ranks must agree on the step"
             )
+        # the snapshot kept back for the disk goes to the writer, if it is free,
+        # before anything here may reuse its slot (a state every rank reached)
+        self._hand_over(wait=True)
         self._group, self._group_iteration = pg, iteration
         rank, world = _rank_world(pg)
         self._rank, self._world = rank, world
@@ -328,7 +337,14 @@ class Snapshots:
             self._persist_owed = self._persist_owed or due
             return
         self.own.drop_from(step)
-        slot = self.own.writable()
+        slot = self.own.writable()  # (every copy into either slot has landed)
+        self._hand_over(wait=False)  # the snapshot kept back for the disk, if the writer is free
+        if not ring and slot.held:
+            # The disk writer still copies this slot (its copy takes longer than the
+            # steps since it was handed over): coalesced as well, never waited for.
+            self.disk_coalesced += 1
+            self._persist_owed = self._persist_owed or due
+            return
         # the ring exchange sends the snapshot at once: no copy to overlap with
         slot.fill(
             step,
@@ -352,14 +368,62 @@ class Snapshots:
                 self.buddy.writable(),
                 self._group,
             )
-        if due or self._persist_owed:
-            assert p is not None
+        kept_back = self._to_persist
+        if due or self._persist_owed or kept_back is not None:
+            # Never waits here: a copy in flight (the copier's thread, the GPU's side
+            # stream) is handed to the disk writer at the next commit, once it landed
+            if kept_back is not None and kept_back[2]:
+                assert p is not None
+                p.skipped += 1
+                log.info(
+                    "snapshot of step %d not persisted: the disk is behind (a newer one will be)",
+                    kept_back[1],
+                )
+            self._to_persist = (slot, step, due)
             self._persist_owed = False
+            if slot.complete:
+                self._hand_over(wait=False)
+
+    def _hand_over(self, wait: bool, when_busy: bool = False) -> None:
+        """Gives the disk writer the newest snapshot due for the disk, once its copy
+        landed (``wait``: waits for that).
+
+        While the writer is still busy with an earlier one (the disk is behind)
+        it is kept back, unheld: the next commit's newer snapshot takes its
+        place, and the writer gets the newest once it is free (``when_busy``:
+        handed over all the same, at the call's end and at a flush). A snapshot
+        discarded as torn, or overwritten meanwhile, owes its write to the next
+        commit.
+        """
+        if self._to_persist is None:
+            return
+        slot, step, _due = self._to_persist
+        if wait:
             slot.wait()
-            if slot.step == step:  # not discarded as torn
-                p.submit(slot, self._world, self.replicated)
+        elif slot.in_flight and not slot.complete:
+            return
+        p = self._persister
+        assert p is not None
+        if slot.step != step:
+            self._to_persist = None
+            self._persist_owed = True
+        elif when_busy or not p.busy():
+            self._to_persist = None
+            p.submit(slot, self._world, self.replicated)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Waits until every due snapshot committed so far is on disk (``False`` on
+        timeout); a call's end does this by itself."""
+        self._hand_over(wait=True, when_busy=True)
+        return self._persister is None or self._persister.flush(timeout)
 
     # ---------------------------------------------------------------- end of the call
+
+    def _hand_over_at_close(self) -> None:
+        if device_fault.broken() is not None:
+            self._to_persist = None  # its bytes may be the broken device's last words
+            return
+        self._hand_over(wait=True, when_busy=True)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -373,6 +437,7 @@ class Snapshots:
         steps = (
             ("the host copier", self._copier.close),
             ("the device copier", self._device.close),
+            ("the last due snapshot", self._hand_over_at_close),
             ("the disk writer", lambda: self._persister and self._persister.close(timeout)),
             ("the host buffers", self.own.release),
             ("the peer's host buffers", self.buddy.release),

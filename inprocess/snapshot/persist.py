@@ -55,6 +55,7 @@ from typing import Any
 
 from .. import security
 from ..exception import RestartAbort
+from ..ownership import distrust
 from . import layout
 from .buffers import HostSnapshot
 
@@ -119,18 +120,6 @@ def marker_path(root: str, step: int, shard: int) -> str:
 # ------------------------------------------------------------------ trust
 
 
-def _refusal(info: os.stat_result) -> str | None:
-    """Why a file or directory with ``info`` (an ``lstat``) is not to be trusted."""
-    uid = os.getuid()
-    if stat.S_ISLNK(info.st_mode):
-        return "is a symlink"
-    if info.st_uid != uid:
-        return f"is owned by uid {info.st_uid}, not by this user ({uid})"
-    if info.st_mode & 0o022:
-        return f"is writable by group or others (mode {stat.S_IMODE(info.st_mode):o})"
-    return None
-
-
 _ADVICE = (
     "nothing another user could have written is read or written (it could run "
     "that user's code as this one): make it ours and private (chown, chmod go-w) "
@@ -163,7 +152,7 @@ def check_root(root: str) -> bool:
             return False
     if not stat.S_ISDIR(info.st_mode):
         raise SnapshotTrustError(f"snapshot_dir {root} is not a directory")
-    reason = _refusal(info)
+    reason = distrust(info)
     if reason is not None:
         raise SnapshotTrustError(f"snapshot_dir {root} {reason}; {_ADVICE}")
     return True
@@ -184,7 +173,7 @@ def prepare(root: str) -> None:
 
 
 def _check_below(root: str, path: str, info: os.stat_result, kind: str) -> None:
-    reason = _refusal(info)
+    reason = distrust(info)
     if reason is None:
         wanted = stat.S_ISDIR if kind == "directory" else stat.S_ISREG
         if not wanted(info.st_mode):
@@ -254,7 +243,7 @@ def marker_key(root: str, create: bool = False) -> str | None:
         ) from ex
     with os.fdopen(fd) as f:
         info = os.fstat(f.fileno())
-        reason = _refusal(info)
+        reason = distrust(info)
         if reason is None and (not stat.S_ISREG(info.st_mode) or info.st_mode & 0o077):
             reason = f"is not a private regular file (mode {stat.S_IMODE(info.st_mode):o})"
         key = f.read(129).strip() if reason is None else ""
@@ -429,16 +418,28 @@ class Persister:
     """Writes snapshots to disk in a background thread, one at a time.
 
     Invariant (under ``_cond``): at most one snapshot waits behind the one
-    being written; a newer one replaces it (its private copy is dropped), so
-    a disk slower than ``persist_every`` steps writes the newest due snapshot
+    being written; a newer one replaces it (and the older is let go), so a
+    disk slower than ``persist_every`` steps writes the newest due snapshot
     next, never an ever-growing queue, and training never waits for it.
+
+    The training thread only *holds* the snapshot it hands over (a slot the
+    next commits reuse), and only when the writer is free
+    (:meth:`inprocess.snapshot.Snapshots.commit` checks :meth:`busy`): the
+    writer's thread copies it into a private buffer of its own (kept from
+    write to write: no fresh pages each time), lets go of it and then writes
+    the copy. The slot is the newest complete one, so the next commit writes
+    the other slot; a commit that wants this slot back while the copy still
+    runs (a copy slower than two steps) is coalesced, never waits.
     """
 
     def __init__(self, root: str, every: int) -> None:
         self.root = root
         self.every = every
         self._cond = threading.Condition()
+        #: a held snapshot waiting for the writer, with its world size and mode
         self._pending: tuple[HostSnapshot, int, bool] | None = None
+        #: the writer's private copy of what it writes (its thread's alone)
+        self._copy = HostSnapshot()
         self._writing = False
         self._closing = False
         self._thread: threading.Thread | None = None
@@ -449,11 +450,15 @@ class Persister:
     def due(self, step: int) -> bool:
         return step % self.every == 0
 
+    def busy(self) -> bool:
+        """Whether a snapshot is being copied or written, or waits to be (never waits)."""
+        with self._cond:
+            return self._writing or self._pending is not None
+
     def submit(self, snapshot: HostSnapshot, world_size: int, replicated: bool) -> None:
-        """Queues a private copy of ``snapshot`` for writing (replacing one still waiting)."""
-        snapshot.wait()
-        copy = HostSnapshot()
-        copy.copy_from(snapshot)  # the slots are reused meanwhile
+        """Queues the complete, landed ``snapshot`` for writing (replacing one still
+        waiting); it is held until the writer has copied it. Never waits."""
+        snapshot.hold()
         with self._cond:
             if self._pending is not None:
                 self.skipped += 1
@@ -461,8 +466,8 @@ class Persister:
                     "snapshot of step %s not persisted: the disk is behind (newer one queued)",
                     self._pending[0].step,
                 )
-                self._pending[0].release()
-            self._pending = (copy, world_size, replicated)
+                self._pending[0].unhold()
+            self._pending = (snapshot, world_size, replicated)
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="inprocess-snapshot-writer", daemon=True
@@ -479,8 +484,17 @@ class Persister:
                     return
                 job, self._pending = self._pending, None
                 self._writing = True
+            source, world_size, replicated = job
+            step = source.step  # (held: nothing changes it until unhold)
             try:
-                self._write(*job)
+                try:
+                    self._copy.copy_from(source)
+                finally:
+                    source.unhold()  # the training thread may reuse the slot from here
+                self._write(self._copy, world_size, replicated)
+            except Exception as ex:  # (the copy: out of memory) never the thread's end
+                self.last_error = ex
+                log.warning("persisting the snapshot of step %s failed: %r", step, ex)
             finally:
                 with self._cond:
                     self._writing = False
@@ -535,8 +549,6 @@ class Persister:
         except (*_dcp_errors(), SnapshotTrustError) as ex:
             self.last_error = ex
             log.warning("persisting the snapshot of step %s failed: %r", step, ex)
-        finally:
-            snap.release()
 
     def _prune(self, shards: int, written: int) -> None:
         """Keeps the ``KEEP`` newest whole steps (every shard complete) up to the step
@@ -581,12 +593,15 @@ class Persister:
         with self._cond:
             self._closing = True
             if self._pending is not None:
-                self._pending[0].release()
+                self._pending[0].unhold()
                 self._pending = None
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout)
+            if self._thread.is_alive():
+                return  # still writing: its private copy is its own until it ends
             self._thread = None
+        self._copy.release()
 
 
 def _atomic_json(path: str, data: dict[str, Any]) -> None:
