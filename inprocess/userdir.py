@@ -24,8 +24,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import stat
 import tempfile
+
+from .ownership import OTHERS_ANY, distrust
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +45,9 @@ def _ours(path: str, make_private: bool = True) -> bool:
         info = os.lstat(path)
     except OSError:
         return False
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+    if distrust(info, directory=True, others=0) is not None:
         return False
-    if info.st_mode & 0o077:
+    if info.st_mode & OTHERS_ANY:
         if not make_private:
             return False
         try:

@@ -25,12 +25,12 @@ import json
 import logging
 import os
 import re
-import stat
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
+from ..ownership import distrust
 from ..records import printable
 from .spec import JobSpec
 from .state import StateError, StateStore, WorkerStatus
@@ -78,18 +78,9 @@ def make_log_dirs(spec: JobSpec, generation: int, worker: int) -> Path:
             directory = directory / part
             with contextlib.suppress(FileExistsError):
                 os.mkdir(directory, LOG_DIR_MODE)
-        info = os.lstat(directory)
-        if not stat.S_ISDIR(info.st_mode):
-            raise PermissionError(f"log directory {directory} is not a directory (a symlink?)")
-        if info.st_uid != os.getuid():
-            raise PermissionError(
-                f"log directory {directory} is owned by uid {info.st_uid}, not by this user"
-            )
-        if info.st_mode & 0o022:
-            raise PermissionError(
-                f"log directory {directory} is writable by others "
-                f"(mode {stat.S_IMODE(info.st_mode):o})"
-            )
+        why = distrust(os.lstat(directory), directory=True)
+        if why is not None:
+            raise PermissionError(f"log directory {directory} {why}")
     return directory
 
 
@@ -105,10 +96,10 @@ def open_log(path: str) -> int:
     """
     flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
     fd = os.open(path, flags, LOG_FILE_MODE)
-    owner = os.fstat(fd).st_uid
-    if owner != os.getuid():
+    why = distrust(os.fstat(fd), others=0)  # (its mode is ours to set: LOG_FILE_MODE)
+    if why is not None:
         os.close(fd)
-        raise PermissionError(f"log file {path} is owned by uid {owner}, not by this user")
+        raise PermissionError(f"log file {path} {why}")
     return fd
 
 

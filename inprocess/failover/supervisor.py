@@ -19,7 +19,6 @@ import ctypes
 import logging
 import os
 import signal
-import stat
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ import psutil
 
 from .. import procfs
 from .. import records as _records
+from ..ownership import WRITABLE_BY_OTHERS, distrust
 from . import policy
 from .backends import DEFAULT_BACKEND, Backend, create_backend
 from .runtime import controller_pid_path, die_with_parent, libc, signal_exit_code
@@ -66,18 +66,12 @@ def check_private_dir(path: Path, what: str) -> None:
     Raises:
         StateError: naming ``what``, the path, the owner or the mode.
     """
-    st = os.stat(path)
-    if not stat.S_ISDIR(st.st_mode):
-        raise StateError(f"{what} {path} is not a directory")
-    if st.st_uid != os.getuid():
-        raise StateError(
-            f"{what} {path} is owned by uid {st.st_uid}, not by this user ({os.getuid()})"
-        )
-    if st.st_mode & 0o022:
-        raise StateError(
-            f"{what} {path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o}); "
-            "make it private (chmod go-w) or choose another"
-        )
+    # (a stat: the symlinks on the way were resolved and checked by the launcher)
+    why = distrust(os.stat(path), directory=True)
+    if why is not None:
+        if why.startswith(WRITABLE_BY_OTHERS):
+            why += "; make it private (chmod go-w) or choose another"
+        raise StateError(f"{what} {path} {why}")
     if not os.access(path, os.W_OK | os.X_OK):
         raise StateError(f"{what} {path} is not writable")
 
