@@ -82,8 +82,12 @@ def test_staging_policy(setting, nbytes, free, total, expected):
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_a_rank_whose_gpu_faulted_ends_with_the_health_checks_error(tmp_path):
-    with Job("gpu_fault.py", 2, tmp_path, args=[str(tmp_path)]) as job:
+@pytest.mark.parametrize("check", ["stand-in", "builtin"])
+def test_a_rank_whose_gpu_faulted_ends_with_the_health_checks_error(tmp_path, check):
+    """With the user's CUDA check (a stand-in), and with none: the Wrapper's own GPU
+    check asks the context after a CUDA error (NVML would find the GPU healthy)."""
+    args = [str(tmp_path)] + (["builtin"] if check == "builtin" else [])
+    with Job("gpu_fault.py", 2, tmp_path, args=args) as job:
         result = job.wait(180)
     out = {r.rank: r.output for r in result.ranks}
     # The survivor goes on without the faulted rank and completes.

@@ -69,6 +69,56 @@ def test_gpu_failure_is_a_fault_of_the_rank(monkeypatch, state):
     assert ChainedGPUHealthCheck()(frozen) is frozen  # the newer one's
 
 
+class _FakeCuda:
+    """torch.cuda as a process sees it once its context is (or is not) broken."""
+
+    def __init__(self, broken: bool) -> None:
+        self.broken = broken
+        self.synchronized = 0
+
+    def install(self, monkeypatch) -> None:
+        import torch
+
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(torch.cuda, "synchronize", self.synchronize)
+
+    def synchronize(self, device=None) -> None:
+        import torch
+
+        self.synchronized += 1
+        if self.broken:
+            raise torch.AcceleratorError("CUDA error: device-side assert triggered")
+
+
+def test_after_a_cuda_error_the_gpu_check_asks_the_context_too(monkeypatch, state):
+    """NVML sees a healthy GPU; a sticky CUDA error broke the process's context."""
+    import torch
+
+    from inprocess.generation import frozen
+
+    fake_nvml(monkeypatch)  # a healthy GPU
+    sticky = torch.AcceleratorError("CUDA error: device-side assert triggered")
+    broken = _FakeCuda(broken=True)
+    broken.install(monkeypatch)
+    with pytest.raises(HealthCheckError, match=r"synchronize\(\) failed: CUDA error: device-side"):
+        ChainedGPUHealthCheck()(state, sticky)
+    with pytest.raises(HealthCheckError, match="device-side assert"):
+        ChainedGPUHealthCheck()(frozen(state, sticky))  # the newer generation's shape
+    # a fault that is no CUDA error costs no synchronization
+    other = ValueError("not the GPU's")
+    assert ChainedGPUHealthCheck()(state, other) == (state, other)
+    assert broken.synchronized == 2
+    # a CUDA error that left the context working (not sticky): the rank goes on
+    working = _FakeCuda(broken=False)
+    working.install(monkeypatch)
+    fault = torch.AcceleratorError("CUDA error: invalid configuration argument")
+    assert ChainedGPUHealthCheck()(state, fault) == (state, fault)
+    assert working.synchronized == 1
+
+
 def test_nvlink_failure_is_logged_and_ignored(monkeypatch, state, caplog):
     nvml = fake_nvml(monkeypatch, links=(1, 0))
     caplog.set_level(logging.INFO, "inprocess.health_check.restart")

@@ -5,7 +5,9 @@ Each check looks at the devices of this rank only (``device_index``, default
 
 * :class:`ChainedGPUHealthCheck`: NVML's view of the GPU (pending page
   retirement or row remapping, a required recovery action, a GPU that cannot
-  be queried); a failure is a fault of this rank (``HealthCheckError``);
+  be queried) and, after a fault that was a CUDA error, whether this
+  process's CUDA context still works; a failure is a fault of this rank
+  (``HealthCheckError``);
 * :class:`ChainedNVLHealthCheck`: NVLink links of the GPU that NVML reports
   inactive; a failure is logged and ignored (a degraded link slows the job,
   it does not corrupt it, and the peer GPU's own check decides for its rank);
@@ -25,9 +27,11 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 from pathlib import Path
 from typing import Any
 
+from .. import device_fault
 from ..compose import Compose
 from ..exception import HealthCheckError
 from .base import HealthCheck, env_local_rank
@@ -104,11 +108,30 @@ class _Chained(HealthCheck):
 
 
 class ChainedGPUHealthCheck(_Chained):
-    """NVML's view of this rank's GPU; an unhealthy GPU is a fault of this rank."""
+    """NVML's view of this rank's GPU and, after a fault that was a CUDA error,
+    whether this process's CUDA context still works; either failing is a fault
+    of this rank.
+
+    NVML does not see a sticky CUDA error (a device-side assert, an illegal
+    memory access): the GPU is fine, this process's context is broken for good,
+    and every later iteration would fail at its first CUDA call, restart after
+    restart. So when the exception that ended the function is a CUDA error,
+    the context is asked too (:class:`CudaHealthCheck`'s synchronization,
+    which raises on a broken one): a job without ``CudaHealthCheck`` of its own
+    loses that rank, which the launcher relaunches with a fresh context. Any
+    other fault costs nothing here.
+    """
 
     def __init__(self, device_index: int | None = None) -> None:
         super().__init__(device_index)
         self._nvml = NVMLHealthCheck(device_index=device_index, on_missing="skip")
+
+    def __call__(self, state: Any, *rest: Any) -> Any:  # type: ignore[override]
+        self.check()
+        # the function's exception: the guide's second argument, or the newer
+        # generation's ``fn_exception``
+        self.check_context(rest[0] if rest else getattr(state, "fn_exception", None))
+        return (state, *rest) if rest else state
 
     def check(self) -> None:
         absent = _nvml_absent()
@@ -116,6 +139,19 @@ class ChainedGPUHealthCheck(_Chained):
             return self._skipped(absent)
         self._nvml(None)
         return None
+
+    @staticmethod
+    def check_context(fault: BaseException | None) -> None:
+        """Raises ``HealthCheckError`` when ``fault`` is a CUDA error and this
+        process's CUDA context no longer works."""
+        if device_fault.cause_of(fault) is None:
+            return
+        torch = sys.modules.get("torch")
+        if torch is None or not torch.cuda.is_initialized():
+            return
+        from .cuda import CudaHealthCheck
+
+        CudaHealthCheck()(None, fault)  # type: ignore[arg-type]
 
 
 class ChainedNVLHealthCheck(_Chained):

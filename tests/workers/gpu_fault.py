@@ -12,7 +12,10 @@ In the first iteration, rank 1 (after its commit of step 2):
 * raises CUDA's error (a device-side assert surfacing at a synchronization).
 
 Its health check stands in for ``CudaHealthCheck`` (which would raise from
-``torch.cuda.synchronize()``). Rank 0 goes on without it and completes. Each
+``torch.cuda.synchronize()``); with ``builtin`` as a second argument it has
+none, and rank 1's ``torch.cuda`` says from the fault on that CUDA is
+initialized and its synchronization fails (a broken context, which the
+Wrapper's own GPU check asks after a CUDA error). Rank 0 goes on without it and completes. Each
 rank writes ``OUT/rank<RANK>.json`` from an ``atexit`` function registered after
 ``inprocess`` was imported (the user's own exit code runs before the process
 ends).
@@ -33,6 +36,7 @@ import torch.distributed as dist
 import inprocess
 
 OUT = Path(sys.argv[1])
+BUILTIN = sys.argv[2:] == ["builtin"]
 RANK = int(os.environ["RANK"])
 ms = datetime.timedelta(milliseconds=1)
 CUDA_ERROR = (
@@ -75,8 +79,21 @@ class StandInCudaHealthCheck(inprocess.health_check.HealthCheck):
         return state, train_ex
 
 
+def break_cuda_context() -> None:
+    """From here on this process's torch.cuda is that of a context that broke."""
+
+    def synchronize(device: object = None) -> None:
+        raise torch.AcceleratorError(CUDA_ERROR)
+
+    torch.cuda.is_initialized = lambda: True
+    torch.cuda.is_available = lambda: True
+    torch.cuda.device_count = lambda: 1
+    torch.cuda.current_device = lambda: 0
+    torch.cuda.synchronize = synchronize
+
+
 @inprocess.Wrapper(
-    health_check=StandInCudaHealthCheck(),
+    health_check=None if BUILTIN else StandInCudaHealthCheck(),
     monitor_thread_interval=50 * ms,
     monitor_process_interval=50 * ms,
     progress_watchdog_interval=50 * ms,
@@ -99,6 +116,8 @@ def train(call_wrapper: inprocess.CallWrapper | None = None) -> float:
             slot = call_wrapper._snapshots.own.writable()
             slot._event = BrokenEvent()
             globals()["_teardown"] = AbortsAtTeardown()
+            if BUILTIN:
+                break_cuda_context()
             raise torch.AcceleratorError(CUDA_ERROR)
     dist.destroy_process_group()
     return float(state["w"][0])
