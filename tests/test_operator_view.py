@@ -58,6 +58,22 @@ def title(pid: int) -> str:
     return ""
 
 
+def describe(pid: int) -> dict[str, object]:
+    """A process that pgrep matched beside the workers: who made it, how old it is."""
+    with contextlib.suppress(psutil.Error):
+        p = psutil.Process(pid)
+        parent = p.parent()
+        return {
+            "cmdline": title(pid),
+            "age_s": round(time.time() - p.create_time(), 2),
+            "ppid": p.ppid(),
+            "parent": title(parent.pid) if parent is not None else None,
+            "threads": p.num_threads(),
+            "status": p.status(),
+        }
+    return {}
+
+
 @pytest.fixture(scope="module")
 def healthy_job(tmp_path_factory):
     """Runs the job to its end; yields (exit code, its whole output, what pgrep saw)."""
@@ -73,7 +89,7 @@ def healthy_job(tmp_path_factory):
         ],
         env=ENV, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
-    seen: dict[str, object] = {"samples": [], "workers": set(), "titles": {}}
+    seen: dict[str, object] = {"samples": [], "workers": set(), "titles": {}, "extras": {}}
     try:
         deadline = time.monotonic() + 240
         workers: set[int] = set()
@@ -91,6 +107,8 @@ def healthy_job(tmp_path_factory):
                     matched = pgrep(str(SCRIPT))
                 if not any((out / f"done{r}").exists() for r in range(3)):
                     seen["samples"].append(matched)
+                    for pid in matched - workers:  # what it is, should the test fail
+                        seen["extras"].setdefault(pid, describe(pid))
                     for pid in job_processes(job_id):
                         seen["titles"][pid.pid] = title(pid.pid)
             time.sleep(0.5)
@@ -129,7 +147,7 @@ def test_pgrep_finds_exactly_the_workers_and_each_process_says_what_it_is(health
     workers, samples = seen["workers"], seen["samples"]
     # the job ran ~35 s, sampled every 0.5 s: many looks while all three workers ran
     assert len(workers) == 3 and len(samples) >= 10, (workers, samples)
-    assert all(s == workers for s in samples), (workers, samples, seen["titles"])
+    assert all(s == workers for s in samples), (workers, seen["extras"], samples)
     titles = seen["titles"]
     for pid in workers:
         assert str(SCRIPT) in titles[pid] and "--slow-rank" in titles[pid], titles[pid]
