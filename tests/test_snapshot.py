@@ -572,6 +572,8 @@ def test_restore_commit_in_this_process_leave_nothing_behind(single_rank, tmp_pa
     assert seen[1][2]["sources"] == {MEMORY: 1, PEER: 0, DISK: 0, NONE: 0}
     assert not any("snapshot" in t.name for t in threading.enumerate() if t.name not in before)
     assert all(s.data.numel() == 0 for s in cw._snapshots.own.slots)
-    assert persist.complete(str(tmp_path / "snap")) == {(0, 2), (0, 4)}
+    # step 4 is written, or step 5 in its place when the writer was still busy with
+    # step 2 (its first write imports torch.distributed.checkpoint) when 4 came
+    assert persist.complete(str(tmp_path / "snap")) in ({(0, 2), (0, 4)}, {(0, 2), (0, 5)})
     with pytest.raises(RuntimeError, match="only available while the wrapped function runs"):
         inprocess.CallWrapper(inprocess.Wrapper()).commit({}, 1)

@@ -72,6 +72,22 @@ def test_a_due_step_that_was_coalesced_is_persisted_with_the_next_commit(tmp_pat
     snaps.close()
 
 
+def test_a_due_last_commit_that_was_coalesced_leaves_the_newest_snapshot_on_disk(tmp_path):
+    """No next commit to write it with: the call's end writes the newest complete one."""
+    state = {"w": torch.zeros(4)}
+    snaps = Snapshots(str(tmp_path), persist_every=2)
+    device = snaps._device = InFlight()
+    for step in (1, 2, 3):
+        state["w"] = state["w"] + 1
+        snaps.commit(state, step, 0)  # 2: due, written
+    assert snaps.flush(30)
+    device.busy_now = True
+    state["w"] = state["w"] + 1
+    snaps.commit(state, 4, 0)  # due, coalesced: the call ends before another commit
+    snaps.close()
+    assert persist.complete(str(tmp_path)) == {(0, 2), (0, 3)}
+
+
 def test_the_ring_exchange_never_coalesces(monkeypatch):
     """replicated=False: every rank must take part in every commit's exchange."""
     from inprocess.snapshot import transfer

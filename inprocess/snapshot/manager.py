@@ -420,9 +420,18 @@ class Snapshots:
     # ---------------------------------------------------------------- end of the call
 
     def _hand_over_at_close(self) -> None:
+        """The call ends: what is due for the disk is handed over, whatever the writer
+        is busy with; a write owed to a next commit (the last due one was coalesced
+        or torn) takes the newest complete snapshot, if the disk has none as new."""
         if device_fault.broken() is not None:
             self._to_persist = None  # its bytes may be the broken device's last words
             return
+        p = self._persister
+        if self._to_persist is None and self._persist_owed and p is not None:
+            self._persist_owed = False
+            newest = self.own.held()[:1]
+            if newest and (not p.written or newest[0].step > p.written[-1]):  # type: ignore[operator]
+                self._to_persist = (newest[0], newest[0].step, False)  # type: ignore[arg-type]
         self._hand_over(wait=True, when_busy=True)
 
     def _check_open(self) -> None:
