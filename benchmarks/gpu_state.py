@@ -32,7 +32,8 @@ One command, at most about 5 minutes on one GPU, JSON lines on stdout:
    called``; ``kind: rejoin``: kill to full size per kill, median and max, and
    each kill's timeline (relaunched, the replacement's script running and what
    its CUDA start took, the survivor restarted at reduced size, the full-size
-   iteration's restore, both ranks at full size).
+   iteration's restore, both ranks at full size, and how long that iteration's
+   first step took: a new rank's first commit pins its host buffers).
 
     .venv/bin/python benchmarks/gpu_state.py                  # on a GPU machine
     .venv/bin/python benchmarks/gpu_state.py --device cpu --quick   # smoke test here
@@ -353,6 +354,11 @@ def faults_phase(args, root: Path) -> bool:
                 "restore_s": max((r["seconds"] for r in restores), default=None),
                 "restore_mb": round(max((r["bytes"] for r in restores), default=0) / 1e6, 1),
                 "full_size_s": round(back - fault["time"], 3),
+                # the full-size iteration's first step, slowest rank (a new rank's
+                # first commit pins its host buffers meanwhile)
+                "first_step_s": max((e["seconds"] for e in evs if e["event"] == "first_step"
+                                     and e["iteration"] == iteration and e["world"] == 2
+                                     and e["time"] > fault["time"]), default=None),
             })  # fmt: skip
     ok = rc == 0 and bool(done) and done[0]["crc"] == clean[0]["crc"]
     emit(

@@ -21,7 +21,8 @@ assert: an out-of-bounds index in a CUDA kernel, seen at the next
 synchronization). Every rank appends JSON lines to ``<out>/events.jsonl``:
 ``script`` (the script reached its main: after its imports and CUDA's start, with
 the seconds CUDA's start took),
-``start`` (iteration, world size, step restored, restore record), ``fault``,
+``start`` (iteration, world size, step restored, restore record),
+``first_step`` (how long the iteration's first step took), ``fault``,
 ``done`` (the parameters' CRC-32, rank 0's).
 """
 
@@ -148,8 +149,10 @@ def train(call_wrapper: inprocess.CallWrapper | None = None) -> None:
         call_wrapper.ping()
         time.sleep(0.01)
     full_since = time.monotonic()
+    first = True
     while step < args.steps:
         inject(step, full_since, call_wrapper)
+        began = time.monotonic()
         loss = model(batch(step, rank)).square().mean()
         loss.backward()
         for q in model.parameters():
@@ -160,6 +163,12 @@ def train(call_wrapper: inprocess.CallWrapper | None = None) -> None:
         step += 1
         call_wrapper.commit(state, step)
         loss.item()  # one synchronization a step, as a training loop's logging makes
+        if first:
+            # the iteration's first step: its commit pins a new rank's host buffers,
+            # and every rank waits for the slowest in its all-reduce
+            event("first_step", iteration=call_wrapper.iteration, world=world,
+                  seconds=round(time.monotonic() - began, 4))  # fmt: skip
+            first = False
     if rank == 0:
         event("done", crc=crc(model), steps=step)
     dist.destroy_process_group()
