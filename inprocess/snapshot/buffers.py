@@ -123,8 +123,10 @@ class HostSnapshot:
 
     def _wait_unheld(self) -> None:
         # Invariant: nothing changes a held snapshot (every change comes through
-        # invalidate()). A reader holds it for one memory copy of its bytes; the
-        # wait is chunked so that an asynchronous exception (a restart) gets in.
+        # invalidate()). A reader holds it for one memory copy of its bytes (one
+        # handed over at a flush or the call's end: also while the write before
+        # it ends); the wait is chunked so that an asynchronous exception (a
+        # restart) gets in, before anything was changed.
         with self._unheld:
             while self._holds:
                 self._unheld.wait(0.05)
@@ -137,6 +139,8 @@ class HostSnapshot:
         still write into the buffer is abandoned with the buffer (see
         :mod:`inprocess.device_fault`).
         """
+        # (read without the lock: holds are taken on the thread that changes the
+        # snapshot, so a stale count is one already let go, and the wait sees it)
         if self._holds:
             self._wait_unheld()
         self.step = None
