@@ -502,6 +502,40 @@ def test_while_the_disk_is_behind_nothing_is_held_and_the_newest_snapshot_is_wri
     assert _on_disk(tmp_path, 7) == sm.fingerprint(model)
 
 
+def test_a_full_disk_costs_its_writes_never_the_training(tmp_path, monkeypatch, caplog):
+    """Each write fails (ENOSPC); the writer logs it, lets go of every slot and
+    goes on; once the disk has room again the next due snapshot lands."""
+    import errno
+
+    import torch.distributed.checkpoint as dcp
+
+    real, full = dcp.save, [True]
+
+    def save(*args, **kwargs):
+        if full[0]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dcp, "save", save)
+    caplog.set_level(logging.WARNING, "inprocess.snapshot")
+    state = _state()
+    model, opt = state["model"], state["optim"]
+    snaps = Snapshots(str(tmp_path), persist_every=1)
+    for step in range(1, 5):
+        sm.apply(model, opt, sm.local_grads(model, step, 0, 1))
+        snaps.commit(state, step, 0)
+        assert snaps.flush(30)
+    assert persist.complete(str(tmp_path)) == set()
+    assert "No space left on device" in caplog.text
+    assert not any(s.held for s in snaps.own.slots) and snaps.disk_coalesced == 0
+    full[0] = False
+    sm.apply(model, opt, sm.local_grads(model, 5, 0, 1))
+    snaps.commit(state, 5, 0)
+    snaps.close()
+    assert persist.complete(str(tmp_path)) == {(0, 5)}
+    assert _on_disk(tmp_path, 5) == sm.fingerprint(model)
+
+
 def test_a_restart_gets_into_a_wait_for_the_disk_writer():
     """An asynchronous exception (the restart's) ends the wait; the held snapshot
     is left as it was."""
