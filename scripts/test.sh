@@ -11,7 +11,9 @@ export RES_OPTIONS="${RES_OPTIONS:-timeout:1 attempts:1}"
 # `import torch` costs seconds of CPU), so more would only add load. TEST_WORKERS=0
 # runs serially.
 # loadgroup: the tests of one xdist_group run on one worker; the others are
-# spread as usual.
+# spread as usual. (With pytest 9, pytest-xdist 3.8's grouping has no effect:
+# it renames a test's node id where pytest 9 no longer reads it. No test run
+# here with -n relies on it, and a module fixture may be made on both workers.)
 # The Ray tests run afterwards, on their own: their 4-node Ray cluster (raylets,
 # agents, worker pools, every one a Python process) loads a 2-core machine so
 # much that the jobs of the tests beside it miss their timeouts.

@@ -99,12 +99,16 @@ def healthy_job(tmp_path_factory):
             running = not any((out / f"done{r}").exists() for r in range(3))
             if len(pids) == 3 and running:
                 workers = pids
-                matched = pgrep(str(SCRIPT))
+                # The script and this job's own argument: the module's tests may run
+                # on two pytest workers at once (a module fixture is made once per
+                # worker), each with its own job of this script
+                mine = f"{SCRIPT} --result-dir {out} "
+                matched = pgrep(mine)
                 if matched != workers:
                     # a monitor process forked from its rank this instant carries the
                     # rank's title until it sets its own: look again a moment later
                     time.sleep(1.0)
-                    matched = pgrep(str(SCRIPT))
+                    matched = pgrep(mine)
                 if not any((out / f"done{r}").exists() for r in range(3)):
                     seen["samples"].append(matched)
                     for pid in matched - workers:  # what it is, should the test fail
