@@ -24,8 +24,6 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-import torch.distributed
-
 from . import generation as _gen
 from . import monitor_thread as _mt
 from . import node as _node
@@ -39,6 +37,7 @@ from .exception import StoreError
 from .monitor_process import MonitorConfig, MonitorProcess
 from .monitor_thread import InterruptSignal, MonitorThread, RankShouldRestart
 from .progress_watchdog import Doorbell, ProgressBoard, ProgressWatchdog
+from .reclaim import CallHeap, clear_frames
 from .relay import RelayClient
 from .state import State
 from .store import (
@@ -62,9 +61,8 @@ RANK_HOSTED_KEY = protocol.RANK_HOSTED
 #: longest a host that left by RestartAbort keeps the store up for its peers' own
 ABORT_WAIT = 10.0
 
-#: frames whose locals a restart clears (see release_frames)
+#: frames whose locals the call's end clears (the caller's traceback must not keep its store)
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
-TORCH_DISTRIBUTED_DIR = os.path.dirname(os.path.abspath(torch.distributed.__file__)) + os.sep
 
 
 # --------------------------------------------------------------------------- the store
@@ -381,28 +379,32 @@ def write_pidfile(template: str, rank: int, monitor: MonitorProcess) -> None:
     os.replace(tmp, path)
 
 
-def release_frames(board: ProgressBoard, ex: BaseException | None) -> None:
-    """Lets go of what a failed iteration left in the frames of ``ex``'s traceback.
+def release_frames(board: ProgressBoard, ex: BaseException | None, heap: CallHeap) -> None:
+    """Lets go of everything the failed iteration left in the frames of ``ex``'s
+    traceback, and collects the call's garbage (see :mod:`inprocess.reclaim`).
 
-    Those frames hold its aborted process groups and the work objects of
-    their collectives (torch.distributed's own frames: ``group``, ``work``),
-    and the exception lives on in ``State.fn_exception`` into the next
-    iteration. Freeing them runs native destructors that may block for good
-    (a gloo group joins its worker threads, and one left in a send the
-    abort did not fail never returns): they are freed here, on the
-    bounded-unwind clock, so a rank stuck in them is ended after
-    ``unwind_timeout`` like one stuck before it came back, not by its hard
-    timeout at some later fault, while its peers wait.
+    Those frames hold the iteration's model, optimizer and buffers (the
+    wrapped function's locals), its aborted process groups and the work
+    objects of their collectives (torch.distributed's own frames: ``group``,
+    ``work``), and the exception lives on in ``State.fn_exception`` into the
+    next iteration: left alone, each failed iteration's memory would stay
+    alive. Freeing them runs native destructors that may block for good (a
+    gloo group joins its worker threads, and one left in a send the abort
+    did not fail never returns): they are freed here, on the bounded-unwind
+    clock, so a rank stuck in them is ended after ``unwind_timeout`` like one
+    stuck before it came back, not by its hard timeout at some later fault,
+    while its peers wait.
 
-    Only our frames and torch.distributed's are cleared: the caller's and
-    the wrapped function's stay intact for post-mortem debugging.
+    The exception and its traceback stay printable (file, line, function of
+    every frame); only the frames' locals are gone.
     """
     if ex is None:
         return
     board.write_phase("release")
     if not board.unwind_started():  # a fault the monitor thread did not interrupt
         board.write_unwind(time.monotonic())
-    clear_frames(ex, (PACKAGE_DIR, TORCH_DISTRIBUTED_DIR))
+    clear_frames(ex)
+    heap.collect()
 
 
 # --------------------------------------------------------------------------- the environment
@@ -472,27 +474,3 @@ def restore_environment(*names: str) -> Iterator[None]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-
-
-def clear_frames(ex: BaseException, prefixes: tuple[str, ...]) -> None:
-    """Clears the locals of the finished frames of ``ex``'s tracebacks (chained
-    exceptions too) whose code lives under one of ``prefixes``.
-
-    Also breaks the cycle result -> exception -> traceback -> our frames ->
-    result, so what they hold goes now, not whenever the garbage collector runs.
-    """
-    seen: set[int] = set()
-    pending: list[BaseException | None] = [ex]
-    while pending:
-        current = pending.pop()
-        if current is None or id(current) in seen:
-            continue
-        seen.add(id(current))
-        tb = current.__traceback__
-        while tb is not None:
-            frame = tb.tb_frame
-            if frame.f_code.co_filename.startswith(prefixes):
-                with contextlib.suppress(RuntimeError):  # still executing
-                    frame.clear()
-            tb = tb.tb_next
-        pending += [current.__cause__, current.__context__]

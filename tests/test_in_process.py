@@ -244,3 +244,51 @@ def test_health_check_failing_after_a_fault_is_a_health_check_error(single_rank)
     assert str(info.value.__context__) == "GPU lost"
     del info
     getattr(inprocess.wrap, "release_hosted_stores", lambda: None)()
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_iterations_objects_are_freed_when_it_restarts(single_rank):
+    """Nothing the failed iteration made outlives its restart, without the user's help:
+    its model and optimizer are gone when the function is called again, even one
+    that sits in a reference cycle of its own; the exception stays printable."""
+    import traceback
+    import weakref
+
+    import torch
+    import torch.distributed as dist
+
+    made: list[weakref.ref] = []
+    left_alive: list[int] = []
+    last_error: list[str] = []
+
+    class Finalize(inprocess.finalize.Finalize):
+        def __call__(self, state, train_ex=None):
+            last_error.append("".join(traceback.format_exception(train_ex)))
+            return state, train_ex
+
+    @fast_wrapper(finalize=Finalize())
+    def train(call_wrapper: inprocess.CallWrapper = None):
+        left_alive.append(sum(ref() is not None for ref in made))
+        dist.init_process_group("gloo")
+        model = torch.nn.Linear(256, 256)
+        opt = torch.optim.Adam(model.parameters())
+        model(torch.ones(1, 256)).sum().backward()
+        opt.step()
+        cyclic = {"model": torch.nn.Linear(256, 256)}
+        cyclic["self"] = cyclic  # only the collector frees it
+        made.extend(weakref.ref(x) for x in (model, opt, cyclic["model"]))
+        if call_wrapper.iteration < 4:
+            raise RuntimeError(f"iteration {call_wrapper.iteration} fails")
+        dist.destroy_process_group()
+        return call_wrapper.iteration
+
+    import gc
+
+    frozen_before = gc.get_freeze_count()
+    assert train() == 4
+    assert left_alive == [0, 0, 0, 0, 0]
+    assert gc.get_freeze_count() == frozen_before  # the call's freeze is undone
+    # the traceback still names where it failed
+    assert "iteration 3 fails" in last_error[-1]
+    assert 'raise RuntimeError(f"iteration {call_wrapper.iteration} fails")' in last_error[-1]
+    getattr(inprocess.wrap, "release_hosted_stores", lambda: None)()
