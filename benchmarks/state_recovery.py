@@ -9,10 +9,9 @@ Two jobs, one after the other:
 
 * ``snapshot``: ``call_wrapper.restore`` at every (re)start and
   ``call_wrapper.commit`` after every step. It first runs the timing phase:
-  rounds of four 20-step blocks, one per way of keeping state, side by side
+  rounds of three 20-step blocks, one per way of keeping state, side by side
   in the same processes (``none``: nothing; ``commit``: commit every step;
-  ``inline``: the same with the host copy inside ``commit`` instead of on its
-  thread; ``file``: rank 0 ``torch.save``-s every 100 of the file blocks' steps);
+  ``file``: rank 0 ``torch.save``-s every 100 of the file blocks' steps);
   rank 0 times every step. Then the fault phase.
 * ``file``: the usage guide's pattern as the baseline: rank 0 saves model,
   optimizer and step with ``torch.save`` every 100 steps, every rank reloads
@@ -218,13 +217,13 @@ def main() -> int:
     snap = jobs[0]
     times = snap["rank0"].get("times", {})
     print("\n## Step time, side by side in the snapshot job (rank 0, timing phase, no faults)\n")
-    for name in ("none", "commit", "inline", "file"):
+    for name in ("none", "commit", "file"):
         print(f"{name:>7}: {stats(times.get(name, []))}")
     overhead = {}
     if times.get("none"):
         base_mean = statistics.fmean(times["none"])
         base_median = statistics.median(times["none"])
-        for name in ("commit", "inline", "file"):
+        for name in ("commit", "file"):
             if times.get(name):
                 overhead[name] = {
                     "mean": statistics.fmean(times[name]) / base_mean - 1,
@@ -238,8 +237,7 @@ def main() -> int:
 
     commits = snap["rank0"].get("commit_seconds", {})
     parts = snap["rank0"].get("parts", {})
-    for name, how in (("commit", "copy on its thread"), ("inline", "copy inline")):
-        print(f"call_wrapper.commit alone (rank 0), {how}: {stats(commits.get(name, []))}")
+    print(f"call_wrapper.commit alone (rank 0): {stats(commits.get('commit', []))}")
     if parts:
         print(
             f"its parts, each timed alone on rank 0: state_dict() of model and optimizer "

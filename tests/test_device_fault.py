@@ -38,8 +38,10 @@ def test_the_cause_is_read_from_the_exception_chain():
 
 def test_the_controller_names_the_exit_code():
     assert state.GPU_FAULT_EXIT_CODE == device_fault.EXIT_CODE
-    described = policy.WorkerExited(0, 0, device_fault.EXIT_CODE, None).describe()
-    assert described == f"exited with code {device_fault.EXIT_CODE} (its GPU faulted)"
+    code = device_fault.EXIT_CODE
+    described = policy.WorkerExited(0, 0, code, None, gpu=True).describe()
+    assert described == f"exited with code {code} (its GPU faulted)"
+    assert policy.WorkerExited(0, 0, code, None, gpu=False).describe() == f"exited with code {code}"
 
 
 class _Broken:

@@ -11,10 +11,9 @@ all-reduce of the flattened gradient and an Adam step. ``--mode``:
   and step every ``--save-every`` steps (atomically), every rank reloads the
   file at every (re)start.
 
-``--timing-blocks N``: first N rounds of four ``--block``-step blocks, one per
+``--timing-blocks N``: first N rounds of three ``--block``-step blocks, one per
 way of keeping state (``none``: nothing, ``commit``: commit every step,
-``inline``: commit every step with the host copy made inside ``commit``
-rather than on its thread, ``file``: ``torch.save`` every ``--save-every`` of
+``file``: ``torch.save`` every ``--save-every`` of
 the file blocks' steps), no
 faults; rank 0 times every step. Then the fault phase: ``--faults`` is a list
 of ``kind:rank:offset`` (``raise`` or ``kill``, initial rank, steps after the
@@ -58,7 +57,7 @@ args = p.parse_args()
 RANK = int(os.environ["RANK"])
 args.out.mkdir(parents=True, exist_ok=True)
 CHECKPOINT = args.out / "checkpoint.pt"
-WAYS = ("none", "commit", "inline", "file")
+WAYS = ("none", "commit", "file")
 TIMING = len(WAYS) * args.block * args.timing_blocks
 FAULTS = {}
 for i, spec in enumerate(filter(None, args.faults.split(","))):
@@ -70,7 +69,7 @@ torch.set_num_threads(1)
 # rank 0's account, kept across in-process restarts (rank 0 is never killed)
 LOG: dict = {
     "times": {w: [] for w in WAYS},
-    "commit_seconds": {"commit": [], "inline": []},  # call_wrapper.commit alone, timing phase
+    "commit_seconds": {"commit": []},  # call_wrapper.commit alone, timing phase
     "parts": {},  # what a commit does, each part timed alone (rank 0, first start)
     "starts": [],
     "regained": {},
@@ -229,9 +228,7 @@ def train(call_wrapper: inprocess.CallWrapper | None = None) -> None:
         opt.step()
         kept = way(step)
         step += 1
-        if kept in ("commit", "inline"):
-            # the copier's own switch (a benchmark's reach into the call's snapshots)
-            call_wrapper._snapshots._copier.synchronous = kept == "inline"
+        if kept == "commit":
             c0 = time.perf_counter()
             call_wrapper.commit(state, step)
             if RANK == 0 and step <= TIMING:

@@ -3,13 +3,18 @@
 A :class:`HostSnapshot` holds one state at one step: its skeleton (pickled per
 key) and every tensor's bytes in one flat ``uint8`` buffer, each tensor at an
 aligned offset. The buffer is reused from commit to commit (reallocated only
-when the state grows), pinned when the state has CUDA tensors. Host tensors
-are copied by a :class:`HostCopier` thread while the next step begins (its
-forward and backward pass read the state, they do not change it); the next
-optimizer step waits for the copy, and a copy whose source changed meanwhile
-(tensor version counters) is discarded, never restored. CUDA tensors are
-copied by a :class:`DeviceCopier` on a side stream, beside the training
-stream (its docstring says when training waits for what).
+when the state grows), pinned when the state has CUDA tensors.
+
+A snapshot equals the state at its commit by construction, whatever idiom
+changes the state afterwards (an optimizer, ``.data``, a numpy view of the
+same memory, ``no_grad``): nothing that runs after the commit can write into
+the state before the copy has read it. Host tensors are copied inside
+``commit``, before it returns (a memory copy: about 0.1 s per GB on one
+core); CUDA tensors are copied by a :class:`DeviceCopier` on a side stream
+that starts after every kernel queued so far, and the training stream waits
+for that copy (or, staged, for its device-to-device half only) before any
+kernel queued after the commit. Tensor version counters are not relied on:
+writes through ``.data`` or a numpy view do not move them.
 
 A :class:`SlotPair` holds two of them: the last complete snapshot and the one
 being written. Invariant: a snapshot's ``step`` is ``None`` from the moment
@@ -26,14 +31,11 @@ first, and that waits until no hold is left.
 
 from __future__ import annotations
 
-import concurrent.futures
-import functools
 import logging
 import pickle
 import threading
-import weakref
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -66,10 +68,9 @@ class HostSnapshot:
         self.data = torch.empty(0, dtype=torch.uint8)
         #: whether ``data`` is pinned (kept here: asking CUDA fails once its context broke)
         self.pinned = False
-        #: the asynchronous copy in flight: a :class:`_DeviceCopy` or a :class:`_ThreadCopy`
+        #: the asynchronous (CUDA) copy in flight: a :class:`_DeviceCopy`
         self._event: Any = None
         self._pending_step: int | None = None
-        self._copier: HostCopier | None = None  # set before any copy is handed to it
         #: readers on other threads (see :meth:`hold`), counted under ``_unheld``
         self._holds = 0
         self._unheld = threading.Condition()
@@ -153,10 +154,6 @@ class HostSnapshot:
             except Exception as ex:
                 device_fault.mark_broken(device_fault.cause_of(ex) or repr(ex))
                 self._abandon()
-        elif self._copier is not None:
-            # a copy handed to the thread by a fill that an exception interrupted
-            # before it kept the copy's handle: the thread's queue is in order
-            self._copier.drain()
 
     def release(self) -> None:
         self.invalidate()
@@ -224,13 +221,11 @@ class HostSnapshot:
         step: int,
         shard: int,
         state: Mapping[str, Any],
-        copier: HostCopier | None = None,
         device: DeviceCopier | None = None,
     ) -> None:
-        """Copies ``state`` in: CUDA tensors on a side stream (by ``device``, or,
-        without one, with the training stream waiting for the copy at once),
-        host tensors on ``copier``'s thread or, without one, here; the snapshot
-        completes when the copy lands."""
+        """Copies ``state`` in: host tensors here, before returning; CUDA tensors on a
+        side stream (by ``device``, or, without one, with the training stream
+        waiting for the whole copy); the snapshot completes when the copy lands."""
         skeleton, tensors = layout.capture(state)
         self.invalidate()
         self.shard = shard
@@ -244,27 +239,11 @@ class HostSnapshot:
         views = self.views()
         if on_cuda:
             self._pending_step = step
-            self._event = (device or DeviceCopier(synchronous=True)).submit(
+            self._event = (device or DeviceCopier(staging=False)).submit(
                 views, self.offsets, self.nbytes, tensors
             )
             return
-        if copier is not None and copier.can_take(tensors):
-            # subclasses (a __torch_function__ may run Python, a DTensor a
-            # collective) are copied here, in the training thread; plain
-            # tensors on the copier's thread
-            inline = [i for i, t in enumerate(tensors) if type(t) is not torch.Tensor]
-            with torch.no_grad():
-                for i in inline:
-                    views[i].copy_(tensors[i])
-            skip = set(inline)
-            plain = [i for i in range(len(tensors)) if i not in skip]
-            self._copier = copier  # first: see invalidate()
-            self._pending_step = step
-            self._event = copier.submit([views[i] for i in plain], [tensors[i] for i in plain])
-            return
-        with torch.no_grad():
-            for dst, src in zip(views, tensors, strict=True):
-                dst.copy_(src)
+        copy_host(views, tensors)
         self.step = step
 
     def assign(
@@ -369,26 +348,20 @@ def use_staging(setting: bool | None, nbytes: int, free: int, total: int) -> boo
     return free >= nbytes + total // 10
 
 
+def copy_host(views: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
+    """Copies each source into its view, here and now (host tensors; a subclass's
+    ``__torch_function__`` runs as it would for any copy)."""
+    with torch.no_grad():
+        for dst, src in zip(views, tensors, strict=True):
+            dst.copy_(src)
+
+
 class _DeviceCopy:
     """One snapshot's copy from the GPU, in flight on the side stream; event-like
-    (``query``, ``synchronize``, ``intact``) as :class:`HostSnapshot` expects.
+    (``query``, ``synchronize``, ``intact``) as :class:`HostSnapshot` expects."""
 
-    A copy not ``fenced`` at once reads the state itself while training goes
-    on: until the training stream waits for it (:meth:`fence`), the sources
-    are kept alive here (the allocator must not hand their memory out; no
-    ``record_stream``, which makes freeing that memory a CUDA call) and their
-    version counters are compared when the copy is fenced or seen landed.
-    """
-
-    def __init__(
-        self, copier: DeviceCopier, done: Any, sources: list[torch.Tensor], fenced: bool
-    ) -> None:
-        self._copier = copier
+    def __init__(self, done: Any) -> None:
         self._done = done
-        self._sources = [] if fenced else sources
-        self._versions = [] if fenced else [t._version for t in sources]
-        self.fenced = fenced
-        self.torn = False
 
     def query(self) -> bool:
         return bool(self._done.query())
@@ -396,73 +369,46 @@ class _DeviceCopy:
     def synchronize(self) -> None:
         self._done.synchronize()
 
-    def fence(self) -> None:
-        """Makes the current stream wait for the copy before anything queued after
-        this call: the optimizer step that is about to change the state."""
-        if self.fenced:
-            return
-        self._check_sources()
-        torch.cuda.current_stream().wait_event(self._done)
-        self.fenced = True
-
     def intact(self) -> bool:
-        """Whether the copy holds the state of its commit (call once it landed)."""
-        if not self.fenced:
-            # Not fenced yet: anything that changed a source since the commit may
-            # have run beside the copy (conservative: it may also have run after).
-            self._check_sources()
-        self._sources = []
-        return not self.torn
-
-    def _check_sources(self) -> None:
-        changed = [
-            i for i, (t, v) in enumerate(zip(self._sources, self._versions, strict=True))
-            if t._version != v
-        ]
-        self._sources, self._versions = [], []
-        if changed:
-            self.torn = True
-            self._copier.torn(len(changed))
+        """The copy holds the state of its commit by construction (the training
+        stream waited for it); a copy that failed raised instead."""
+        return True
 
 
 class DeviceCopier:
     """Copies CUDA state into host snapshots on a side stream, beside training.
 
-    Where the training stream waits (the policy, in one place):
+    The side stream starts after every kernel queued on the training stream
+    before the commit, and the training stream waits, before any kernel queued
+    after it, for (the policy, in one place):
 
     * **Staged** (the default where the device has room, :func:`use_staging`):
-      the state is first copied on the device into a staging buffer (HBM
-      bandwidth: about a millisecond per GB on an H100), the training stream
-      waits only for that, and the PCIe copy to the pinned host buffer runs
-      from the staging buffer while the next steps run. Nothing the training
-      does can tear it.
-    * **Fenced at the optimizer step** (no room for staging): the PCIe copy
-      reads the state itself; the forward and backward passes run beside it
-      and the training stream waits for it only at the next optimizer step (a
-      global optimizer-step pre-hook). A source changed before that (an
-      in-place update outside the optimizer step: batch-norm statistics, a
-      user's own) is caught by its version counter: that snapshot is
-      discarded, never restored, and the copier turns synchronous.
-    * **Synchronous**: the training stream waits for the whole copy at once
-      (the ring exchange of ``replicated=False``, and after a torn copy).
+      the state's copy into a staging buffer on the device (HBM bandwidth:
+      about a millisecond per GB on an H100); the PCIe copy to the pinned host
+      buffer then runs from the staging buffer while the next steps run.
+    * **Not staged** (no room, ``snapshot_staging=False``, the ring exchange of
+      ``replicated=False``): the whole copy to the host.
+
+    Either way nothing the training does after the commit (an optimizer step,
+    a write through ``.data``, batch-norm statistics in the forward pass) can
+    change the state before the copy read it: the snapshot is the state at
+    the commit by construction.
 
     A commit that arrives while the previous copy is still in flight
     (:meth:`busy`) is coalesced by the caller: it is skipped, and the next
-    commit after the copy landed takes the newer state. Training never waits
-    for PCIe then; a fault redoes the steps since the newest landed copy (at
-    most about ``copy time / step time + 1``).
+    commit after the copy landed takes the newer state. A fault redoes the
+    steps since the newest landed copy (at most about
+    ``copy time / step time + 1``).
     """
 
-    def __init__(self, staging: bool | None = None, synchronous: bool = False) -> None:
+    def __init__(self, staging: bool | None = None) -> None:
         self.staging = staging
-        self.synchronous = synchronous
         #: commits skipped because the previous copy was still in flight
         self.coalesced = 0
         self._in_flight: list[_DeviceCopy] = []
         self._stage: torch.Tensor | None = None
         #: the size staging was refused at (``use_staging``): not asked again for it
         self._no_stage_at: int | None = None
-        self._finalizer: weakref.finalize | None = None
 
     # ------------------------------------------------------------ decisions
 
@@ -472,7 +418,7 @@ class DeviceCopier:
         return bool(self._in_flight)
 
     def _staging_buffer(self, nbytes: int, device: torch.device) -> torch.Tensor | None:
-        if self.synchronous or self.staging is False:
+        if self.staging is False:
             return None
         stage = self._stage
         if stage is not None and stage.numel() >= nbytes and stage.device == device:
@@ -486,7 +432,7 @@ class DeviceCopier:
             self._no_stage_at = nbytes
             log.info(
                 "snapshots of %.2f GB are copied without staging: %.2f GB free on %s "
-                "(the optimizer step waits for each copy)",
+                "(training waits for each copy to the host)",
                 nbytes / 1e9, free / 1e9, device,
             )
             return None
@@ -525,11 +471,10 @@ class DeviceCopier:
         stream = _side_stream()
         # Invariant: the side stream starts after every kernel queued so far on
         # the current stream (the state is final), and the current stream waits
-        # for `fence` before anything that changes the state (at once, or at the
-        # optimizer step: `fence()`).
+        # for `fence` before any kernel queued after this call: nothing can
+        # change a source before the copy has read it.
         stream.wait_stream(current)
         with torch.no_grad(), torch.cuda.stream(stream):
-            fence = None
             if stage is not None:
                 staged = []
                 for i in on_cuda:
@@ -546,189 +491,25 @@ class DeviceCopier:
                     views[i].copy_(tensors[i], non_blocking=True)
             done = torch.cuda.Event()
             done.record(stream)
-        for i, t in enumerate(tensors):
-            if not t.is_cuda:
-                views[i].copy_(t)
-        at_once = stage is not None or self.synchronous
-        if at_once:
-            current.wait_event(fence if fence is not None else done)
-        copy = _DeviceCopy(self, done, [tensors[i] for i in on_cuda], fenced=at_once)
-        if not at_once:
-            self._hook_optimizer()
+        on_host = [i for i, t in enumerate(tensors) if not t.is_cuda]
+        copy_host([views[i] for i in on_host], [tensors[i] for i in on_host])
+        current.wait_event(fence if stage is not None else done)
+        copy = _DeviceCopy(done)
         self._in_flight.append(copy)
         return copy
 
-    def fence_all(self) -> None:
-        """Fences every copy in flight (the optimizer-step pre-hook)."""
-        for copy in self._in_flight:
-            copy.fence()
-
-    def torn(self, n: int) -> None:
-        if not self.synchronous:
-            self.synchronous = True
-            log.warning(
-                "a snapshot's source changed on the GPU while it was copied (%d tensors "
-                "modified in place outside the optimizer step, before the next commit): "
-                "that snapshot is discarded and later commits make training wait for "
-                "their copy",
-                n,
-            )
-
-    def _hook_optimizer(self) -> None:
-        if self._finalizer is not None:
-            return
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-        # the hook holds the copier weakly: a copier never closed is still collected
-        hook = register_optimizer_step_pre_hook(
-            functools.partial(_fence_before_step, weakref.ref(self))
-        )
-        self._finalizer = weakref.finalize(self, hook.remove)
-
     def close(self) -> None:
-        """Waits for the copies in flight, removes the hook, frees the staging
-        buffer. Never raises for a CUDA context that broke (it is recorded)."""
+        """Waits for the copies in flight, frees the staging buffer. Never raises
+        for a CUDA context that broke (it is recorded)."""
         copies, self._in_flight = self._in_flight, []
         for copy in copies:
             try:
                 copy.synchronize()
             except Exception as ex:
                 device_fault.mark_broken(device_fault.cause_of(ex) or repr(ex))
-        if self._finalizer is not None:
-            self._finalizer()
-            self._finalizer = None
         if self._stage is not None and device_fault.broken() is not None:
             device_fault.keep(self._stage)
         self._stage = None
-
-
-def _fence_before_step(ref: weakref.ref[DeviceCopier], _optimizer: Any, _a: Any, _k: Any) -> None:
-    copier = ref()
-    if copier is not None and copier._in_flight:
-        copier.fence_all()
-
-
-class _ThreadCopy:
-    """One snapshot's host copy on the copier's thread; event-like (``query``,
-    ``synchronize``) so :class:`HostSnapshot` treats it as a CUDA copy."""
-
-    def __init__(self, copier: HostCopier, future: concurrent.futures.Future[list[int]]) -> None:
-        self._copier = copier
-        self._future = future
-
-    def query(self) -> bool:
-        return self._future.done()
-
-    def synchronize(self) -> None:
-        concurrent.futures.wait([self._future])
-
-    def intact(self) -> bool:
-        """Whether no source changed while it was copied (waits for the copy;
-        raises the copy's own error)."""
-        changed = self._future.result()
-        if changed:
-            self._copier._torn(len(changed))
-        return not changed
-
-
-class HostCopier:
-    """Copies host snapshots on one thread, overlapping the start of the next step.
-
-    The optimizer step is where a training step changes its state in place:
-    a global optimizer step pre-hook waits for every copy in flight, so the
-    common case never tears. Anything else that changes a source meanwhile
-    is caught by its version counter; that snapshot is discarded (the slot
-    pair's other snapshot stays the newest complete one) and the copier turns
-    synchronous for the rest of the call, with one warning. The thread and
-    the hook end at :meth:`close`, or when the copier is collected.
-    """
-
-    def __init__(self) -> None:
-        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
-        self._finalizer: weakref.finalize | None = None
-        #: copies queued or running, changed under the lock, read without it (an
-        #: int): an optimizer step with nothing in flight pays no round trip
-        self._in_flight = 0
-        self._lock = threading.Lock()
-        self.synchronous = False
-
-    def can_take(self, tensors: Sequence[torch.Tensor]) -> bool:
-        # inference tensors have no version counter: nothing would catch a change
-        return not self.synchronous and not any(t.is_inference() for t in tensors)
-
-    def submit(self, views: list[torch.Tensor], tensors: list[torch.Tensor]) -> _ThreadCopy:
-        if self._executor is None:
-            from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-            self._executor = concurrent.futures.ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix="inprocess-snapshot-copy"
-            )
-            # the hook holds the copier weakly: a copier never closed is still collected
-            hook = register_optimizer_step_pre_hook(
-                functools.partial(_drain_before_step, weakref.ref(self))
-            )
-            self._finalizer = weakref.finalize(self, _release, self._executor, hook)
-        # Invariant: versions taken before the copy starts and compared on the
-        # copy's thread as soon as it ends (before anyone waiting on it goes on):
-        # a source modified in between (an in-place op anywhere) has a new version.
-        versions = [t._version for t in tensors]
-        with self._lock:
-            self._in_flight += 1
-        future = self._executor.submit(_copy, views, tensors, versions)
-        future.add_done_callback(self._landed)
-        return _ThreadCopy(self, future)
-
-    def _landed(self, _future: concurrent.futures.Future[list[int]]) -> None:
-        with self._lock:
-            self._in_flight -= 1
-
-    def drain(self) -> None:
-        """Waits for every copy in flight (one thread, first in first out: for
-        a no-op queued behind them)."""
-        if self._executor is not None and self._in_flight:
-            self._executor.submit(_nothing).result()
-
-    def _torn(self, n: int) -> None:
-        if not self.synchronous:
-            self.synchronous = True
-            log.warning(
-                "a snapshot's source changed while it was copied (%d tensors modified in place "
-                "outside the optimizer step, before the next commit): that snapshot is discarded "
-                "and later commits copy synchronously",
-                n,
-            )
-
-    def close(self) -> None:
-        """Waits for the copies in flight and ends the thread and the hook."""
-        self.drain()
-        if self._finalizer is not None:
-            self._finalizer()  # removes the hook, ends the thread
-            assert self._executor is not None
-            self._executor.shutdown(wait=True)
-            self._executor = self._finalizer = None
-
-
-def _drain_before_step(ref: weakref.ref[HostCopier], _optimizer: Any, _args: Any, _kw: Any) -> None:
-    copier = ref()
-    if copier is not None:
-        copier.drain()
-
-
-def _release(executor: concurrent.futures.ThreadPoolExecutor, hook: Any) -> None:
-    hook.remove()
-    executor.shutdown(wait=False)  # may run on any thread, the copier's own included
-
-
-def _nothing() -> None:
-    return None
-
-
-def _copy(views: list[torch.Tensor], tensors: list[torch.Tensor], versions: list[int]) -> list[int]:
-    """Copies the sources; returns the indices of those changed meanwhile."""
-    with torch.no_grad():
-        for dst, src in zip(views, tensors, strict=True):
-            dst.copy_(src)
-    return [i for i, (t, v) in enumerate(zip(tensors, versions, strict=True)) if t._version != v]
 
 
 class SlotPair:
