@@ -102,3 +102,59 @@ def test_the_ring_exchange_never_coalesces(monkeypatch):
     snaps.commit({"w": torch.zeros(2)}, 1, 0)
     assert sent == [1] and device.coalesced == 0
     snaps.close()
+
+
+def test_a_call_that_ends_on_a_due_step_leaves_that_step_on_disk(
+    single_rank, tmp_path, monkeypatch
+):
+    """Steps far shorter than the disk writer's start (its thread not yet running
+    when the next due steps come): the slot it was handed waits, unread, and each
+    due commit takes its place rather than being coalesced, so the call's last
+    commit (due) is the step on disk, not an older one."""
+    import threading
+
+    import torch.distributed as dist
+    from test_call_lifecycle import fast_wrapper
+
+    import inprocess
+
+    real = persist.Persister._run
+    steps_done = threading.Event()
+
+    def late(self):
+        steps_done.wait(60)  # the writer's thread runs only once the steps are done
+        real(self)
+
+    monkeypatch.setattr(persist.Persister, "_run", late)
+    snap = tmp_path / "snap"
+
+    @fast_wrapper(snapshot_dir=str(snap), persist_every=5)
+    def train(call_wrapper: inprocess.CallWrapper = None):
+        dist.init_process_group("gloo")
+        try:
+            state = {"w": torch.zeros(4), "data": {"step": 0}}
+            start = call_wrapper.restore(state)
+            for step in range(start, 20):
+                state["w"] = state["w"] + 1
+                state["data"]["step"] = step + 1
+                call_wrapper.commit(state, step + 1)
+            return start
+        finally:
+            steps_done.set()
+            dist.destroy_process_group()
+
+    assert train() == 0
+    steps = {step for _shard, step in persist.complete(str(snap))}
+    assert max(steps) == 20, steps
+    # what is read back is the last commit's state
+    restored = {"w": torch.zeros(4), "data": {"step": 0}}
+
+    @fast_wrapper(snapshot_dir=str(snap), persist_every=5)
+    def again(call_wrapper: inprocess.CallWrapper = None):
+        dist.init_process_group("gloo")
+        try:
+            return call_wrapper.restore(restored)
+        finally:
+            dist.destroy_process_group()
+
+    assert again() == 20 and torch.equal(restored["w"], torch.full((4,), 20.0))

@@ -305,3 +305,43 @@ def test_one_ranks_damaged_shard_makes_every_rank_fall_back_together(tmp_path):
     # the writers remove them)
     shards = {"shard-0.done.json", "shard-1.done.json"}
     assert {p.name for p in (snap / "step-00000008").glob("*.json")} == shards
+
+
+def test_a_fifo_in_place_of_the_marker_key_is_refused_without_blocking(single_rank, tmp_path):
+    """Opening a FIFO for reading blocks until someone opens it for writing: the key
+    file is opened without blocking and refused by name as not a regular file."""
+    import threading
+
+    snap = tmp_path / "snap"
+    assert wrapped(snap)(2)[0] == 0
+    key = snap / ".marker-key"
+    key.unlink()
+    os.mkfifo(key, 0o600)
+    blocked, done = threading.Event(), threading.Event()
+
+    def unblock() -> None:
+        # A restore still in open() after a while is let go on by a writer opening the
+        # FIFO (that open succeeds only while a reader has it open), and noted.
+        if done.wait(20):
+            return
+        while not done.wait(0.2):
+            try:
+                fd = os.open(key, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError:  # ENXIO: no reader has it open
+                continue
+            blocked.set()
+            os.close(fd)
+            return
+
+    watcher = threading.Thread(target=unblock, name="fifo-watcher")
+    watcher.start()
+    try:
+        with pytest.raises(RestartAbort) as info:
+            wrapped(snap)(2)
+    finally:
+        done.set()
+        watcher.join(30)
+    assert not blocked.is_set(), "restore blocked on the FIFO until a writer opened it"
+    assert type(info.value).__name__ == "SnapshotTrustError", repr(info.value)
+    text = str(info.value)
+    assert ".marker-key" in text and "regular file" in text, text

@@ -12,8 +12,15 @@ The machinery behind :meth:`inprocess.CallWrapper.restore` and
 * :mod:`.manager`: one call's snapshots on one rank.
 """
 
-from .manager import SnapshotMismatch, Snapshots
+from .manager import SnapshotMismatch, Snapshots, SnapshotWorldSizeError
 from .persist import SnapshotCorrupt, SnapshotTrustError
 from .rng import RNGState
 
-__all__ = ["RNGState", "SnapshotCorrupt", "SnapshotMismatch", "SnapshotTrustError", "Snapshots"]
+__all__ = [
+    "RNGState",
+    "SnapshotCorrupt",
+    "SnapshotMismatch",
+    "SnapshotTrustError",
+    "SnapshotWorldSizeError",
+    "Snapshots",
+]

@@ -13,12 +13,14 @@ import collections
 import logging
 import os
 import pickle
+import secrets
 import time
 from typing import Any
 
 from .. import device_fault
+from ..exception import RestartAbort
 from . import layout, persist, policy, transfer
-from .buffers import DeviceCopier, HostCopier, HostSnapshot, SlotPair
+from .buffers import DeviceCopier, HostSnapshot, SlotPair
 from .persist import SnapshotCorrupt, SnapshotTrustError
 
 log = logging.getLogger(__name__)
@@ -26,6 +28,16 @@ log = logging.getLogger(__name__)
 
 class SnapshotMismatch(RuntimeError):
     """Replicas restored different state: a fault of the restart, never trained on."""
+
+
+class SnapshotWorldSizeError(RestartAbort):
+    """The newest snapshot was committed at another world size (``replicated=False``)
+    or in the other mode: restoring it, or an older step, would drop a shard or
+    make one up. Raised on every rank by ``restore``; it ends the Wrapper."""
+
+
+#: steps whose origin a rank remembers beyond the ones it holds
+_ORIGINS_KEPT = 8
 
 
 class Snapshots:
@@ -40,7 +52,6 @@ class Snapshots:
         self.snapshot_dir = snapshot_dir
         self.own = SlotPair()
         self.buddy = SlotPair()  # the ring predecessor's shard (replicated=False)
-        self._copier = HostCopier()
         self._device = DeviceCopier(staging)
         #: a due step's disk write that a coalesced commit skipped: the next commit's
         self._persist_owed = False
@@ -51,6 +62,12 @@ class Snapshots:
         self.disk_coalesced = 0
         self.replicated = True
         self.newest: int | None = None  # newest step committed (or restored) here
+        #: the lineage of this rank's commits: agreed by every rank at each restore
+        #: (a new one each time: what is committed after a restore to step s is a
+        #: new branch from s); ``None``: no restore yet
+        self.lineage: str | None = None
+        #: step -> (lineage, shards) of what this rank committed or restored at that step
+        self._origins: dict[int, tuple[str | None, int | None]] = {}
         self._commit_times: collections.deque[float] = collections.deque(maxlen=11)
         self._group: Any = None
         self._group_iteration: int | None = None
@@ -80,7 +97,21 @@ class Snapshots:
         self._markers = found.complete
         self._rejected_markers = found.rejected
         disk = set(found.complete) - unusable
-        return policy.Holdings(frozenset(held), frozenset(disk), self.newest)
+        return policy.Holdings(
+            frozenset(held), frozenset(disk), self.newest, self._origins_of(held, disk)
+        )
+
+    def _origins_of(
+        self, held: set[tuple[int, int]], disk: set[tuple[int, int]]
+    ) -> tuple[policy.Origin, ...]:
+        """Where each snapshot this rank holds comes from (see :data:`policy.Origin`)."""
+        out: list[policy.Origin] = []
+        for shard, step in sorted(held):
+            lineage, shards = self._origins.get(step, (None, None))
+            out.append((policy.MEMORY, shard, step, lineage, shards))
+        for shard, step in sorted(disk):
+            out.append((policy.DISK, shard, step, *_origin(self._markers[(shard, step)])))
+        return tuple(out)
 
     def _in_memory(self) -> set[tuple[int, int]]:
         held = set()
@@ -98,8 +129,9 @@ class Snapshots:
         try:
             return self.holdings(unusable), None, list(self._rejected_markers)
         except SnapshotTrustError as ex:
-            held = frozenset(self._in_memory())
-            return policy.Holdings(held, frozenset(), self.newest), str(ex), []
+            held = self._in_memory()
+            origins = self._origins_of(held, set())
+            return policy.Holdings(frozenset(held), frozenset(), self.newest, origins), str(ex), []
 
     def _find(self, shard: int, step: int) -> HostSnapshot | None:
         for pair in (self.own, self.buddy):
@@ -160,7 +192,8 @@ class Snapshots:
         while True:
             mine, refusal, untrusted = self._describe(unusable)
             described = transfer.all_gather(
-                (replicated, mine, self.step_seconds(), refusal, untrusted), pg
+                (replicated, mine, self.step_seconds(), refusal, untrusted, secrets.token_hex(8)),
+                pg,
             )
             if started is None:
                 # Timed from here, where every rank has arrived: not the ranks' skew in
@@ -177,8 +210,17 @@ class Snapshots:
                         for sh, st, why in d[4]
                     ]
             _raise_refused([d[3] for d in described], rank)
-            holdings = [d[1] for d in described]
-            plan = policy.plan(holdings, replicated)
+            # Invariant: a step is planned only from snapshots of one lineage (the
+            # same screened holdings on every rank), and only at its own layout
+            holdings, mixed = policy.screen([d[1] for d in described])
+            for r, sh, st, why in mixed:
+                entry = {"rank": r, "step": st, "shard": sh, "reason": why}
+                if entry not in rejected:
+                    rejected.append(entry)
+            try:
+                plan = policy.plan(holdings, replicated)
+            except policy.LayoutMismatch as ex:
+                raise SnapshotWorldSizeError(_layout_text(ex, world, self.snapshot_dir)) from None
             step, shard, source = plan.step, plan.shards[rank], plan.sources[rank]
             if not any(s.kind == policy.DISK for s in plan.sources):
                 break
@@ -190,6 +232,8 @@ class Snapshots:
                     moved += persist.read(
                         self.snapshot_dir, step, shard, slot, self._markers[(shard, step)]
                     )
+                    # held in memory from here (a next round plans with it)
+                    self._origins[step] = _origin(self._markers[(shard, step)])
                 except persist.Unusable as ex:
                     failure = str(ex)
                 except SnapshotTrustError as ex:
@@ -273,6 +317,9 @@ class Snapshots:
             slot.load_into(state)
         self.newest = step if step > 0 else None
         self._commit_times.clear()
+        self._branch(step, policy.lineage_at(holdings, step), len(set(plan.shards)))
+        self.lineage = described[0][5]  # rank 0's: the same on every rank
+        self._fence(step, replicated, rank)
         sums = sums_of(slot) if slot is not None and step > 0 else {}
         outcome = transfer.all_gather((sums, sent, time.monotonic() - started, moved), pg)
         mismatch = _mismatches(outcome, plan, replicated)
@@ -303,6 +350,39 @@ class Snapshots:
             raise SnapshotMismatch(f"restore of step {step}: {text}")
         return step
 
+    def _branch(self, step: int, lineage: str | None, shards: int) -> None:
+        """What this rank remembers of the origins once restored to ``step``."""
+        self._origins = {st: o for st, o in self._origins.items() if st < step}
+        if step > 0:
+            self._origins[step] = (lineage, shards)
+
+    def _fence(self, step: int, replicated: bool, rank: int) -> None:
+        """The restore went back to ``step``: nothing newer of an earlier lineage may
+        reach the disk (a write of it in flight here), nor stay there (per-rank
+        state: another run's shard of such a step would be taken for this one's).
+
+        Every rank does it before the restore's last exchange, so before any rank
+        commits (and persists) a step of the new lineage."""
+        p = self._persister
+        if p is None:
+            return
+        p.fence(step, self.lineage)
+        if replicated:
+            return  # one shard per step: never assembled from two runs
+        try:
+            fenced = persist.fence(self.snapshot_dir, step)
+        except OSError as ex:
+            log.warning("cannot remove the markers of steps after %d: %s", step, ex)
+            return
+        if fenced and rank == 0:
+            log.warning(
+                "snapshots of steps %s on disk are newer than the restored step %d: their "
+                "markers were removed (an abandoned trajectory; rewritten when training "
+                "gets there again)",
+                fenced,
+                step,
+            )
+
     # ---------------------------------------------------------------- commit
 
     def commit(self, state: dict[str, Any], step: int, iteration: int) -> None:
@@ -328,6 +408,7 @@ class Snapshots:
                 log.warning("cannot create snapshot_dir %s: %s", p.root, ex)
             self._root_ready = True
         self.newest = step
+        self._note_commit(step)
         self._commit_times.append(time.monotonic())
         if not ring and self._device.busy():
             # The previous CUDA copy is still in flight: this commit is coalesced
@@ -339,6 +420,11 @@ class Snapshots:
         self.own.drop_from(step)
         slot = self.own.writable()  # (every copy into either slot has landed)
         self._hand_over(wait=False)  # the snapshot kept back for the disk, if the writer is free
+        if not ring and slot.held and (due or self._persist_owed) and p is not None:
+            # A due (or owed) commit is not coalesced for a slot that only waits for
+            # the writer (its thread not yet started on it): this newer snapshot
+            # takes its place, as it would in the writer's queue.
+            p.withdraw(slot)
         if not ring and slot.held:
             # The disk writer still copies this slot (its copy takes longer than the
             # steps since it was handed over): coalesced as well, never waited for.
@@ -346,13 +432,7 @@ class Snapshots:
             self._persist_owed = self._persist_owed or due
             return
         # the ring exchange sends the snapshot at once: no copy to overlap with
-        slot.fill(
-            step,
-            shard,
-            state,
-            copier=None if ring else self._copier,
-            device=None if ring else self._device,
-        )
+        slot.fill(step, shard, state, device=None if ring else self._device)
         if slot.pinned:
             # Both host buffers pinned by the first commit, not inside a later step;
             # never a buffer that holds a snapshot (reserving may reallocate it).
@@ -370,7 +450,7 @@ class Snapshots:
             )
         kept_back = self._to_persist
         if due or self._persist_owed or kept_back is not None:
-            # Never waits here: a copy in flight (the copier's thread, the GPU's side
+            # Never waits here: a copy in flight (on the GPU's side
             # stream) is handed to the disk writer at the next commit, once it landed
             if kept_back is not None and kept_back[2]:
                 assert p is not None
@@ -383,6 +463,15 @@ class Snapshots:
             self._persist_owed = False
             if slot.complete:
                 self._hand_over(wait=False)
+
+    def _note_commit(self, step: int) -> None:
+        """Remembers the origin of the step committed (its lineage and layout)."""
+        self._origins[step] = (self.lineage, 1 if self.replicated else self._world)
+        if len(self._origins) > _ORIGINS_KEPT:
+            held = {s.step for pair in (self.own, self.buddy) for s in pair.slots}
+            for st in sorted(self._origins)[:-2]:
+                if st not in held:
+                    del self._origins[st]
 
     def _hand_over(self, wait: bool, when_busy: bool = False) -> None:
         """Gives the disk writer the newest snapshot due for the disk, once its copy
@@ -409,7 +498,10 @@ class Snapshots:
             self._persist_owed = True
         elif when_busy or not p.busy():
             self._to_persist = None
-            p.submit(slot, self._world, self.replicated)
+            # the lineage and world size the step was committed with
+            lineage, shards = self._origins.get(step, (None, None))
+            world = shards if not self.replicated and shards else self._world
+            p.submit(slot, world, self.replicated, lineage)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Waits until every due snapshot committed so far is on disk (``False`` on
@@ -427,6 +519,11 @@ class Snapshots:
             self._to_persist = None  # its bytes may be the broken device's last words
             return
         p = self._persister
+        for s in self.own.slots:
+            s.wait()  # the newest complete snapshot is one whose copy landed meanwhile
+        if self._to_persist is not None and self._to_persist[0].step != self._to_persist[1]:
+            self._to_persist = None  # torn since: the write it owes takes the newest below
+            self._persist_owed = True
         if self._to_persist is None and self._persist_owed and p is not None:
             self._persist_owed = False
             newest = self.own.held()[:1]
@@ -444,7 +541,6 @@ class Snapshots:
         # raises over the error that ended the call (a CUDA context that broke is
         # recorded by the parts themselves: inprocess.device_fault).
         steps = (
-            ("the host copier", self._copier.close),
             ("the device copier", self._device.close),
             ("the last due snapshot", self._hand_over_at_close),
             ("the disk writer", lambda: self._persister and self._persister.close(timeout)),
@@ -458,6 +554,31 @@ class Snapshots:
                 log.warning("releasing %s of the call's snapshots failed: %r", what, ex)
         self._group = None
         self._closed = True
+
+
+def _origin(marker: dict[str, Any]) -> tuple[str | None, int | None]:
+    """The lineage and layout a marker names (see :data:`policy.Origin`)."""
+    lineage = marker.get("lineage")
+    return (lineage if isinstance(lineage, str) else None), persist.layout_of(marker)
+
+
+def _layout_text(ex: policy.LayoutMismatch, world: int, root: str | None) -> str:
+    def has(n: int) -> str:
+        return "one shard" if n == 1 else f"{n} shards (per-rank state of world size {n})"
+
+    needed = "one shard" if ex.replicated else f"{ex.needed} shard(s), one per rank"
+    n = ex.found[-1]
+    if n > 1:
+        advice = f"restore it with replicated=False at world size {n} (spares keep the count)"
+    else:
+        advice = "restore it with replicated=True, or at world size 1"
+    return (
+        f"restore(replicated={ex.replicated}) at world size {world} needs {needed}, but the "
+        f"newest snapshot, step {ex.step}, has {' and '.join(has(k) for k in ex.found)}: "
+        "nothing was restored (per-rank state is restored only at the world size it was "
+        f"committed at, never a shard dropped or made up); {advice}, or start over in "
+        "another snapshot_dir" + (f" than {root}" if root else "")
+    )
 
 
 def _describe_rejected(r: dict[str, Any]) -> str:

@@ -33,6 +33,14 @@ Replicated state: only rank 0 writes (shard 0). One write at a time, and at
 most one waiting behind it (the newest due): training never waits for the
 disk. After each write, the two newest steps complete on every shard are
 kept, and anything newer; older steps are removed.
+
+Every marker names the *lineage* its step was committed in: an id the ranks
+agree on at each restore, so the shards of one step written by two runs (or
+by two trajectories of one run, before and after a restore went back) are
+told apart: a step is whole only when all its shards share a lineage (see
+:func:`inprocess.snapshot.policy.screen`). A restore that goes back to step
+``s`` fences what is newer (:meth:`Persister.fence`, :func:`fence`): no
+marker of a step after ``s`` from an earlier lineage lands or stays.
 """
 
 from __future__ import annotations
@@ -74,6 +82,9 @@ KEY_FILE = ".marker-key"
 _DATA_SUFFIX = ".distcp"
 #: the largest marker read (a skeleton of plain values; a bigger file is not one of ours)
 _MARKER_MAX = 256 << 20
+#: how the key and the markers are opened: never through a symlink, never blocking
+#: (a FIFO put in a file's place; what is opened is checked on its descriptor)
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 class SnapshotTrustError(RestartAbort):
@@ -211,16 +222,17 @@ def marker_key(root: str, create: bool = False) -> str | None:
     """The markers' MAC key of ``root`` (made first when ``create``); ``None``: none yet.
 
     Made by the first writer: written to a private temporary file, then linked
-    into place (atomic: of writers racing, the first link stands). Read with
-    ``O_NOFOLLOW`` and checked on its descriptor: ours, a regular file, mode
-    0600 or stricter.
+    into place (atomic: of writers racing, the first link stands). Opened with
+    ``O_NOFOLLOW`` and ``O_NONBLOCK`` (a FIFO in its place never blocks the
+    open) and checked on its descriptor before a byte is read: ours, a regular
+    file, mode 0600 or stricter.
 
     Raises:
         SnapshotTrustError: the key file is not ours, not private, or not a key.
     """
     path = os.path.join(root, KEY_FILE)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, _READ_FLAGS)
     except FileNotFoundError:
         if not create:
             return None
@@ -236,7 +248,7 @@ def marker_key(root: str, create: bool = False) -> str | None:
         finally:
             os.unlink(tmp)
         _fsync_dir(root)
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, _READ_FLAGS)
     except OSError as ex:  # ELOOP: a symlink
         raise SnapshotTrustError(
             f"snapshot_dir {root}: {path} cannot be used: {ex}; {_ADVICE}"
@@ -252,6 +264,16 @@ def marker_key(root: str, create: bool = False) -> str | None:
     if reason is not None:
         raise SnapshotTrustError(f"snapshot_dir {root}: {path} {reason}; {_ADVICE}")
     return key
+
+
+def _read_regular(path: str, limit: int) -> bytes:
+    """Up to ``limit`` bytes of ``path``, a regular file (checked on its descriptor:
+    a FIFO or a device swapped in after a check is refused, never waited on)."""
+    fd = os.open(path, _READ_FLAGS)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise OSError(f"{path} is not a regular file")
+        return f.read(limit)
 
 
 def _sign(marker: dict[str, Any], key: str) -> dict[str, Any]:
@@ -327,8 +349,7 @@ def scan(root: str | None) -> Scan:
                 continue
             shard = int(mm.group(1))
             try:
-                with open(os.path.join(step_path, entry), "rb") as f:
-                    raw = f.read(_MARKER_MAX + 1)
+                raw = _read_regular(os.path.join(step_path, entry), _MARKER_MAX + 1)
                 marker = json.loads(raw) if len(raw) <= _MARKER_MAX else None
             except FileNotFoundError:
                 continue
@@ -343,6 +364,42 @@ def scan(root: str | None) -> Scan:
     return out
 
 
+def layout_of(marker: dict[str, Any]) -> int | None:
+    """How many shards the step of ``marker`` has: 1 for replicated state, else the
+    world size it was committed at (``None``: the marker does not say)."""
+    if marker.get("replicated") is True:
+        return 1
+    world = marker.get("world_size")
+    return world if isinstance(world, int) and not isinstance(world, bool) else None
+
+
+def fence(root: str | None, step: int, shards: frozenset[int] | None = None) -> list[int]:
+    """Removes the completion markers of every step after ``step`` (of ``shards``
+    only, if given): a restore went back before them, their trajectory is
+    abandoned. Returns the steps fenced. Their files stay until a prune."""
+    fenced = []
+    if root is None or not os.path.isdir(root):
+        return fenced
+    for name in sorted(os.listdir(root)):
+        m = _STEP_DIR.match(name)
+        if not m or int(m.group(1)) <= step:
+            continue
+        path = os.path.join(root, name)
+        try:
+            entries = os.listdir(path)
+        except OSError:
+            continue
+        for entry in entries:
+            mm = _MARKER.match(entry)
+            if mm and (shards is None or int(mm.group(1)) in shards):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(path, entry))
+                    fenced.append(int(m.group(1)))
+    if fenced:
+        _fsync_dir(root)
+    return sorted(set(fenced))
+
+
 def complete(root: str | None) -> set[tuple[int, int]]:
     """``(shard, step)`` of every complete snapshot under ``root`` with an authentic marker."""
     return set(scan(root).complete)
@@ -350,7 +407,9 @@ def complete(root: str | None) -> set[tuple[int, int]]:
 
 def _sha256(path: str) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
+    with os.fdopen(os.open(path, _READ_FLAGS), "rb", buffering=0) as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise OSError(f"{path} is not a regular file")
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
@@ -436,8 +495,14 @@ class Persister:
         self.root = root
         self.every = every
         self._cond = threading.Condition()
-        #: a held snapshot waiting for the writer, with its world size and mode
-        self._pending: tuple[HostSnapshot, int, bool] | None = None
+        #: a held snapshot waiting for the writer, with its world size, mode and lineage
+        self._pending: tuple[HostSnapshot, int, bool, str | None] | None = None
+        #: ``(step, lineage)`` of the last restore: no marker of a later step from
+        #: another lineage is written (a trajectory the restore abandoned)
+        self._fence: tuple[int, str | None] | None = None
+        #: taken around a marker's write and a fence: a write's check of the fence
+        #: and its marker landing are one step for :meth:`fence`
+        self._marker_lock = threading.Lock()
         #: the writer's private copy of what it writes (its thread's alone)
         self._copy = HostSnapshot()
         self._writing = False
@@ -455,9 +520,16 @@ class Persister:
         with self._cond:
             return self._writing or self._pending is not None
 
-    def submit(self, snapshot: HostSnapshot, world_size: int, replicated: bool) -> None:
-        """Queues the complete, landed ``snapshot`` for writing (replacing one still
-        waiting); it is held until the writer has copied it. Never waits."""
+    def submit(
+        self,
+        snapshot: HostSnapshot,
+        world_size: int,
+        replicated: bool,
+        lineage: str | None = None,
+    ) -> None:
+        """Queues the complete, landed ``snapshot`` (of ``lineage``: see the module's
+        doc) for writing, replacing one still waiting; it is held until the
+        writer has copied it. Never waits."""
         snapshot.hold()
         with self._cond:
             if self._pending is not None:
@@ -467,7 +539,7 @@ class Persister:
                     self._pending[0].step,
                 )
                 self._pending[0].unhold()
-            self._pending = (snapshot, world_size, replicated)
+            self._pending = (snapshot, world_size, replicated, lineage)
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="inprocess-snapshot-writer", daemon=True
@@ -484,14 +556,14 @@ class Persister:
                     return
                 job, self._pending = self._pending, None
                 self._writing = True
-            source, world_size, replicated = job
+            source, world_size, replicated, lineage = job
             step = source.step  # (held: nothing changes it until unhold)
             try:
                 try:
                     self._copy.copy_from(source)
                 finally:
                     source.unhold()  # the training thread may reuse the slot from here
-                self._write(self._copy, world_size, replicated)
+                self._write(self._copy, world_size, replicated, lineage)
             except Exception as ex:  # (the copy: out of memory) never the thread's end
                 self.last_error = ex
                 log.warning("persisting the snapshot of step %s failed: %r", step, ex)
@@ -500,7 +572,37 @@ class Persister:
                     self._writing = False
                     self._cond.notify_all()
 
-    def _write(self, snap: HostSnapshot, world_size: int, replicated: bool) -> None:
+    def withdraw(self, snapshot: HostSnapshot) -> bool:
+        """Takes back ``snapshot`` if it still waits for the writer (not copied yet),
+        and lets go of it: a newer due snapshot is about to take its place (as a
+        newer one replaces one waiting, :meth:`submit`). Never waits."""
+        # Invariant: a snapshot handed over is let go of exactly once: by the writer
+        # once it copied it, or, while it still waits (under _cond), by whoever
+        # takes it out of _pending (submit, withdraw, close).
+        with self._cond:
+            if self._pending is None or self._pending[0] is not snapshot:
+                return False
+            self._pending = None
+            self.skipped += 1
+            log.info(
+                "snapshot of step %s not persisted: a newer due one takes its place", snapshot.step
+            )
+        snapshot.unhold()
+        return True
+
+    def fence(self, step: int, lineage: str | None) -> None:
+        """From now on no marker is written for a step after ``step`` unless it is of
+        ``lineage`` (the one the restore to ``step`` started): a write still in
+        flight from before the restore ends without its marker."""
+        with self._marker_lock:
+            self._fence = (step, lineage)
+
+    def _fenced(self, step: int, lineage: str | None) -> bool:
+        return self._fence is not None and step > self._fence[0] and lineage != self._fence[1]
+
+    def _write(
+        self, snap: HostSnapshot, world_size: int, replicated: bool, lineage: str | None = None
+    ) -> None:
         import torch.distributed.checkpoint as dcp
 
         step, shard = snap.step, snap.shard
@@ -527,16 +629,22 @@ class Persister:
                 "shard": shard,
                 "world_size": world_size,
                 "replicated": replicated,
+                "lineage": lineage,
                 "bytes": snap.nbytes,
                 "time": time.time(),
                 "checksums": snap.checksums(),
                 "skeleton": {k: base64.b64encode(v).decode() for k, v in snap.skeleton.items()},
                 "metadata": _metadata_files(path),
             }
-            _atomic_json(
-                marker_path(self.root, step, shard),
-                _sign(marker, marker_key(self.root, create=True)),  # type: ignore[arg-type]
-            )
+            signed = _sign(marker, marker_key(self.root, create=True))  # type: ignore[arg-type]
+            # Invariant: a marker lands only while no fence excludes it (checked and
+            # written under _marker_lock, which fence() takes): once a restore
+            # fenced a step, no marker of its abandoned trajectory appears.
+            with self._marker_lock:
+                if self._fenced(step, lineage):
+                    log.info("step %d not persisted: a restore went back before it", step)
+                    return
+                _atomic_json(marker_path(self.root, step, shard), signed)
             self.written.append(step)
             log.debug(
                 "persisted step %d shard %d in %.3fs", step, shard, time.monotonic() - started
@@ -551,27 +659,40 @@ class Persister:
             log.warning("persisting the snapshot of step %s failed: %r", step, ex)
 
     def _prune(self, shards: int, written: int) -> None:
-        """Keeps the ``KEEP`` newest whole steps (every shard complete) up to the step
-        just ``written``, and what is newer.
+        """Keeps the ``KEEP`` newest whole steps (every shard complete, of one
+        lineage, laid out as the one just ``written``) up to that step, and what
+        is newer.
 
         Older steps go, incomplete ones too: a step older than a whole one is
         never written any more (each rank writes its steps in order), and one
         left incomplete (a rank's write skipped while its disk was behind) can
         never be restored. Steps newer than the one written are left out of
         the count: a future the restore went back from (a step that failed its
-        checks), rewritten when training gets there again.
+        checks), rewritten when training gets there again. A step with a
+        marker of another layout (committed at another world size, or in the
+        other mode) is never removed: a world of that size may restore it.
         """
         done: dict[int, set[int]] = {}
-        for shard, step in complete(self.root):
-            if step <= written:
+        lineages: dict[int, set[str | None]] = {}
+        foreign: set[int] = set()
+        for (shard, step), marker in scan(self.root).complete.items():
+            if layout_of(marker) != shards:
+                foreign.add(step)
+            elif step <= written:
                 done.setdefault(step, set()).add(shard)
-        whole = sorted(s for s, have in done.items() if len(have) >= shards)
+                lineages.setdefault(step, set()).add(marker.get("lineage"))
+        whole = sorted(
+            s
+            for s, have in done.items()
+            if len(have) >= shards and len(lineages[s]) == 1 and s not in foreign
+        )
         if not whole:
             return
         keep = set(whole[-KEEP:])
         for name in os.listdir(self.root):
             m = _STEP_DIR.match(name)
-            if m and int(m.group(1)) < whole[-1] and int(m.group(1)) not in keep:
+            old = m is not None and int(m.group(1)) < whole[-1]
+            if old and int(m.group(1)) not in keep | foreign:  # type: ignore[union-attr]
                 shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -651,6 +772,8 @@ __all__ = [
     "SnapshotTrustError",
     "Unusable",
     "complete",
+    "fence",
+    "layout_of",
     "prepare",
     "read",
     "scan",

@@ -8,6 +8,8 @@ settings, ``max_active`` (the others are spares), ``snapshot_dir`` and
 * ``raise``: an exception before the step's all-reduce;
 * ``hang``: sleeps (no progress) before the all-reduce: the soft timeout;
 * ``kill``: SIGKILL before the all-reduce;
+* ``kill_after_commit``: SIGKILL right after the step's commit returned (a due
+  step's disk write never lands);
 * ``skew``: an exception after the step was applied but before its commit,
   while the others commit it (ranks one step apart at the fault);
 * ``torn``: the step's commit raises in the middle of copying the state;
@@ -165,6 +167,8 @@ def train(call_wrapper: inprocess.CallWrapper = None) -> dict[str, Any]:
         if SPEC.get("step_sleep"):
             time.sleep(SPEC["step_sleep"])
         call_wrapper.commit(state, step + 1)
+        if kind == "kill_after_commit":
+            os.kill(os.getpid(), signal.SIGKILL)
     dist.barrier()
     result = {
         "rank": rank,
