@@ -32,6 +32,20 @@ def returned_state(result: Any, current: State) -> State:
     return current
 
 
+def _broken_context(fault: BaseException | None) -> str | None:
+    """CUDA's words when ``fault`` (the exception that ended the function) is a
+    CUDA error and this process's CUDA context no longer works; else ``None``."""
+    if device_fault.cause_of(fault) is None:
+        return None
+    from .health_check.restart import ChainedGPUHealthCheck
+
+    try:
+        ChainedGPUHealthCheck.check_context(fault)
+    except Exception as broken:
+        return device_fault.cause_of(broken) or device_fault.cause_of(fault)
+    return None
+
+
 class Callbacks:
     """Runs a Wrapper's callbacks for one rank of a call.
 
@@ -93,7 +107,7 @@ class Callbacks:
     def restart_health_check(self, state: State, ex: BaseException | None) -> State:
         """The check after a fault: failing it ends this rank with a ``HealthCheckError``
         whose ``__cause__`` is ``ex``, the exception that ended the function here.
-        With ``LOCAL_RANK`` set, the device checks run first (GPU, NVLink, NIC),
+        With ``LOCAL_RANK`` set, the device checks run first (NIC, NVLink, GPU),
         then the user's (``Wrapper.restart_health_check``)."""
         check = self.restart_check
         if check is None:
@@ -102,7 +116,10 @@ class Callbacks:
             result = _gen.invoke(check, self.config.generation, state, ex)
             return returned_state(result, state)
         except Exception as failure:
-            gpu = device_fault.cause_of(failure)
+            # Invariant: a rank that leaves after a CUDA error knows whether its
+            # CUDA context is broken before its cleanup runs, whichever check failed
+            # (the NIC and NVLink checks run before the GPU check, which asks it).
+            gpu = device_fault.cause_of(failure) or _broken_context(ex)
             if gpu is not None:
                 # this process's CUDA context is gone: it must end without freeing CUDA memory
                 device_fault.mark_broken(gpu)

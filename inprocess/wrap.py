@@ -69,6 +69,7 @@ from .monitor_thread import InterruptSignal, MonitorThread, RankShouldRestart
 from .progress_watchdog import ProgressBoard, ProgressWatchdog
 from .rank_assignment import RankAssignment
 from .rank_filter import RankFilter
+from .reclaim import CallHeap
 from .relay import RelayClient
 from .state import Mode, State
 from .store import (
@@ -217,7 +218,7 @@ class Wrapper:
         arguments = dict(locals())
         del arguments["self"]
         self.config = WrapperConfig.from_arguments(**arguments)
-        #: the check after a fault: GPU, NVLink and NIC checks of the rank's device
+        #: the check after a fault: NIC, NVLink and GPU checks of the rank's device
         #: (``LOCAL_RANK``), then the user's ``health_check``; None without LOCAL_RANK
         self.restart_health_check = (
             _restart_health_check(self.config.health_check) if self.config.enabled else None
@@ -250,12 +251,14 @@ class Wrapper:
 
 
 def _restart_health_check(user: Any) -> Compose | None:
-    """``Compose(user..., nic, nvl, gpu)``: runs GPU, NVLink, NIC, then the user's check.
+    """``Compose(user..., gpu, nvl, nic)``: runs NIC, NVLink, GPU, then the user's
+    checks (the last listed first), as the API's newest generation builds it.
 
     The chained classes are looked up in this module when a Wrapper is built
     (a caller may replace them here), and each is built as ``cls(device_index=...)``.
     The NIC check is always in the chain; where the node has no InfiniBand
-    counters it passes and says so.
+    counters it passes and says so. All three run before the user's checks, so
+    those meet a device already known to be usable.
     """
     local_rank = env_local_rank()
     if local_rank is None:
@@ -263,10 +266,10 @@ def _restart_health_check(user: Any) -> Compose | None:
     checks: list[Any] = []
     if user is not None:
         checks += user.instances if isinstance(user, Compose) else [user]
-    # Compose runs the last listed first: GPU, NVLink, NIC, then the user's.
-    checks.append(ChainedNicHealthCheck(device_index=local_rank))
-    checks.append(ChainedNVLHealthCheck(device_index=local_rank))
+    # Compose runs the last listed first: NIC, NVLink, GPU, then the user's.
     checks.append(ChainedGPUHealthCheck(device_index=local_rank))
+    checks.append(ChainedNVLHealthCheck(device_index=local_rank))
+    checks.append(ChainedNicHealthCheck(device_index=local_rank))
     return Compose(*checks)
 
 
@@ -332,6 +335,8 @@ class CallWrapper:
         self._records = _records.Recorder(None, self.identity, "", 0)  # disabled until _start
         #: sys.excepthook when the call started (see call_setup.function_environment)
         self._excepthook = sys.excepthook
+        #: the garbage collector's view of the call (see inprocess.reclaim), set up by _start
+        self._heap: CallHeap | None = None
         #: this call's training-state snapshots (restore/commit), set up by _start
         self._snapshots: Snapshots | None = None
         #: the latest restore's record (see :meth:`restore`), ``None`` before one
@@ -533,6 +538,10 @@ class CallWrapper:
         and releases them, in reverse (see :mod:`inprocess.call_setup`)."""
         self._call_started = time.time()
         c = self._config
+        # a failed iteration's garbage is collected at its restart (release_frames),
+        # over what the call created only
+        self._heap = CallHeap()
+        cleanup.callback(self._heap.close)
         role, call = protocol.role_namespace(job_namespace()), next(_call_counter)
         self.namespace = protocol.call_namespace(role, call)
         raw = _setup.open_store(c, self.namespace, self.identity, c.barrier_timeout)
@@ -713,7 +722,7 @@ class CallWrapper:
                 self._aborted_iteration = current  # see call_setup.wait_for_peers_to_abort
                 raise
             # on the bounded-unwind clock (see call_setup.release_frames)
-            _setup.release_frames(self._board, result.exception)
+            _setup.release_frames(self._board, result.exception, self._heap)
             return result
         finally:
             self._board.write_unwind(0.0)  # back in the Wrapper: the unwind is over

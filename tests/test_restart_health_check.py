@@ -1,4 +1,4 @@
-"""Restart health checks of the rank's GPU, NVLink and NIC, with a fake NVML on CPU (issue 22)."""
+"""Restart health checks of the rank's GPU, NVLink and NIC, with a fake NVML on CPU."""
 
 from __future__ import annotations
 
@@ -184,15 +184,15 @@ def test_restart_checks_run_in_the_documented_order(monkeypatch, tmp_path, state
     assert [type(c).__name__ for c in chained.instances] == [
         "User",
         "User",
-        "ChainedNicHealthCheck",
-        "ChainedNVLHealthCheck",
         "ChainedGPUHealthCheck",
+        "ChainedNVLHealthCheck",
+        "ChainedNicHealthCheck",
     ]
     assert chained(state) is state
     assert order == [
-        "ChainedGPUHealthCheck",
-        "ChainedNVLHealthCheck",
         "ChainedNicHealthCheck",
+        "ChainedNVLHealthCheck",
+        "ChainedGPUHealthCheck",
         "user2",
         "user1",
     ]
@@ -246,10 +246,10 @@ def test_wrapper_runs_them_before_the_users_check_and_a_gpu_failure_ends_the_ran
     with pytest.raises(HealthCheckError, match="GPU 0 is unhealthy") as info:
         wrapper(train)()
     assert isinstance(info.value.__cause__, ValueError)
-    # the first iteration's check is the user's alone; after a fault: GPU,
-    # NVLink, NIC, then the user's
+    # the first iteration's check is the user's alone; after a fault: NIC,
+    # NVLink, GPU, then the user's
     assert order[0] == "user", order
-    assert order[1:5] == ["gpu", "nvlink", "nic", "user"], order
+    assert order[1:5] == ["nic", "nvlink", "gpu", "user"], order
     assert order[-1] == "gpu", order
     assert type(wrapper.restart_health_check.instances[0]).__name__ == "UserCheck"
 
@@ -304,18 +304,27 @@ def test_the_wrappers_chain_is_built_from_the_names_in_its_module(monkeypatch, s
 
     plain = inprocess.Wrapper()
     assert isinstance(plain.restart_health_check, inprocess.Compose)
-    assert [type(c) for c in plain.restart_health_check.instances] == [FakeNic, FakeNVL, FakeGPU]
+    # As the newest generation composes it: Compose(user..., gpu, nvl, nic), run
+    # the last listed first.
+    assert [type(c) for c in plain.restart_health_check.instances] == [FakeGPU, FakeNVL, FakeNic]
     assert sorted(StandIn.built) == [("FakeGPU", 3), ("FakeNVL", 3), ("FakeNic", 3)]
     assert all(c.device_index == 3 for c in plain.restart_health_check.instances)
     assert plain.restart_health_check(state) is state
-    assert StandIn.ran == ["FakeGPU", "FakeNVL", "FakeNic"]
+    assert StandIn.ran == ["FakeNic", "FakeNVL", "FakeGPU"]
+
+    StandIn.ran.clear()
+    wrapper = inprocess.Wrapper(health_check=User("user"))
+    kinds = [type(c).__name__ for c in wrapper.restart_health_check.instances]
+    assert kinds == ["User", "FakeGPU", "FakeNVL", "FakeNic"]
+    assert wrapper.restart_health_check(state) is state
+    assert StandIn.ran == ["FakeNic", "FakeNVL", "FakeGPU", "user"]
 
     StandIn.ran.clear()
     wrapper = inprocess.Wrapper(health_check=inprocess.Compose(User("user1"), User("user2")))
     kinds = [type(c).__name__ for c in wrapper.restart_health_check.instances]
-    assert kinds == ["User", "User", "FakeNic", "FakeNVL", "FakeGPU"]
+    assert kinds == ["User", "User", "FakeGPU", "FakeNVL", "FakeNic"]
     assert wrapper.restart_health_check(state) is state
-    assert StandIn.ran == ["FakeGPU", "FakeNVL", "FakeNic", "user2", "user1"]
+    assert StandIn.ran == ["FakeNic", "FakeNVL", "FakeGPU", "user2", "user1"]
 
     monkeypatch.delenv("LOCAL_RANK")
     assert inprocess.Wrapper().restart_health_check is None
@@ -334,7 +343,46 @@ def test_the_nic_check_is_in_the_wrappers_chain_without_counters(
     monkeypatch.setenv("LOCAL_RANK", "0")
     chain = inprocess.Wrapper().restart_health_check
     kinds = [type(c) for c in chain.instances]
-    assert kinds == [ChainedNicHealthCheck, ChainedNVLHealthCheck, ChainedGPUHealthCheck]
+    assert kinds == [ChainedGPUHealthCheck, ChainedNVLHealthCheck, ChainedNicHealthCheck]
     with caplog.at_level(logging.INFO, logger="inprocess"):
         assert chain(state) is state
     assert "ChainedNicHealthCheck checked nothing" in caplog.text
+
+
+def test_a_nic_failure_after_a_cuda_error_still_asks_the_cuda_context(monkeypatch, state):
+    """The NIC check runs before the GPU check: when it fails after a sticky CUDA
+    error, the rank still learns that its CUDA context is broken before it leaves."""
+    import torch
+
+    from inprocess import callbacks, device_fault
+
+    marked: list[str] = []
+    monkeypatch.setattr(device_fault, "mark_broken", marked.append)
+    fake_nvml(monkeypatch)  # a healthy GPU
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    gpu_ran: list[int] = []
+    monkeypatch.setattr(ChainedGPUHealthCheck, "check", lambda self: gpu_ran.append(1))
+
+    def nic_down(self):
+        raise HealthCheckError("NIC health check failed: mlx5_0 port 1: link down 1 time(s)")
+
+    monkeypatch.setattr(ChainedNicHealthCheck, "check", nic_down)
+    wrapper = inprocess.Wrapper()
+    left: list[str] = []
+    run = callbacks.Callbacks(wrapper.config, "rank 0", wrapper.restart_health_check, left.append)
+    sticky = torch.AcceleratorError("CUDA error: device-side assert triggered")
+    broken = _FakeCuda(broken=True)
+    broken.install(monkeypatch)
+    with pytest.raises(HealthCheckError, match="NIC health check failed") as info:
+        run.restart_health_check(state, sticky)
+    assert info.value.__cause__ is sticky
+    assert gpu_ran == []  # the chain stopped at the NIC
+    assert broken.synchronized == 1
+    assert marked == ["CUDA error: device-side assert triggered"]
+    assert "GPU fault" in left[0]
+    # a working context: the rank leaves for its NIC, nothing is marked
+    marked.clear()
+    _FakeCuda(broken=False).install(monkeypatch)
+    with pytest.raises(HealthCheckError, match="NIC health check failed"):
+        run.restart_health_check(state, sticky)
+    assert marked == []

@@ -50,39 +50,80 @@ def limit(t: Topology, node: int) -> int | None:
     return t.max_ranks[t.node_depth[node]]
 
 
-def check_invariants(t: Topology, a: TreeAssignment) -> None:
-    """Gap-free unique numbering, active first, min_ranks and max_ranks hold."""
+def check_invariants(t: Topology, a: TreeAssignment, first: bool = True) -> None:
+    """Gap-free unique numbering, active first, min_ranks hold; max_ranks too at
+    the first assignment (a later reserve fill from another group may pass it)."""
     ranks = [r for r in a.ranks if r is not None]
     assert sorted(ranks) == list(range(a.world_size))
     assert 0 <= a.active_world_size <= a.world_size
+    size = a.active_world_size
+    inactive = [leaf for leaf, r in enumerate(a.ranks) if r is not None and r >= size]
+    order = a.reserve_order if a.reserve_order is not None else inactive
+    assert sorted(order) == inactive, "reserve_order holds the inactive leaves, once each"
     for node in range(len(t.node_depth)):
         alive = [a.ranks[x] for x in leaves_of(t, node) if a.ranks[x] is not None]
         assert not alive or len(alive) >= t.min_ranks[t.node_depth[node]], node
         active = sum(1 for r in alive if r < a.active_world_size)
-        assert limit(t, node) is None or active <= limit(t, node), node
+        assert not first or limit(t, node) is None or active <= limit(t, node), node
 
 
-def eligible_reserve(t: Topology, a: TreeAssignment, lost_leaf: int) -> int | None:
-    """Brute force: an inactive leaf a reserve search from ``lost_leaf`` may take now."""
-    chain = t.ancestors[t.bottom_of_leaf[lost_leaf]][: t.reserve_levels]
-    for top in chain:
-        for leaf in leaves_of(t, top):
-            rank = a.ranks[leaf]
-            if rank is None or rank < a.active_world_size:
-                continue
-            path = t.ancestors[t.bottom_of_leaf[leaf]]  # up to the root: none may overflow
-            if all(
-                limit(t, n) is None
-                or sum(
-                    1
-                    for x in leaves_of(t, n)
-                    if a.ranks[x] is not None and a.ranks[x] < a.active_world_size
-                )
-                < limit(t, n)
-                for n in path
-            ):
-                return leaf
-    return None
+def model_step(
+    t: Topology,
+    prev: TreeAssignment,
+    terminated: set[int],
+    ws_filter: Callable[[int], int] | None,
+) -> tuple[tuple[int | None, ...], tuple[int, ...]]:
+    """The documented rule, written plainly (whole scans, no counters): every
+    leaf's rank after the step and the reserve order, to compare with
+    next_assignment."""
+    n = t.size
+    size = prev.active_world_size
+    active = {leaf: r for leaf, r in enumerate(prev.ranks) if r is not None and r < size}
+    inactive = [leaf for leaf, r in enumerate(prev.ranks) if r is not None and r >= size]
+    order = list(prev.reserve_order) if prev.reserve_order is not None else inactive
+    dead = {leaf for leaf, r in enumerate(prev.ranks) if r is None or r in terminated}
+    # (1) groups under min_ranks go whole, children first
+    for node in sorted(range(len(t.node_depth)), key=lambda x: -t.node_depth[x]):
+        alive = [x for x in leaves_of(t, node) if x not in dead]
+        if 0 < len(alive) < t.min_ranks[t.node_depth[node]]:
+            dead.update(alive)
+    holes = sorted(leaf for leaf in active if leaf in dead)  # tree order
+    order = [leaf for leaf in order if leaf not in dead]
+    gaps: list[tuple[int, int]] = []
+    for hole in holes:
+        rank = active.pop(hole)
+        # (2) the nearest group on the RESERVE path with a reserve rank gives its latest one
+        for group in t.ancestors[t.bottom_of_leaf[hole]][: t.reserve_levels]:
+            mine = [x for x in order if x in leaves_of(t, group)]
+            if mine:
+                order.remove(mine[-1])
+                active[mine[-1]] = rank
+                break
+        else:
+            gaps.append((hole, rank))
+    # (3) backfill: per domain, its highest active ranks (ascending) fill its gaps
+    # in tree order; (4) the gaps left are closed by the shift (by sorting below)
+    if t.backfill_levels:
+        domains: dict[int, list[tuple[int, int]]] = {}
+        for hole, rank in gaps:
+            domain = t.ancestors[t.bottom_of_leaf[hole]][t.backfill_levels - 1]
+            domains.setdefault(domain, []).append((hole, rank))
+        for domain, mine in domains.items():
+            inside = sorted((r, x) for x, r in active.items() if x in leaves_of(t, domain))
+            movers = inside[max(0, len(inside) - len(mine)) :]
+            for (_, rank), (_, mover) in zip(mine, movers, strict=False):
+                active[mover] = rank
+    # (5) filter: the ranks past it become the latest reserve ranks, in tree order
+    by_rank = sorted(active, key=active.__getitem__)
+    keep = len(by_rank) if ws_filter is None else ws_filter(len(by_rank))
+    order += sorted(by_rank[keep:])
+    ranks: list[int | None] = [None] * n
+    for r, leaf in enumerate(by_rank[:keep]):
+        ranks[leaf] = r
+    rest = sorted(x for x in range(n) if x not in dead and ranks[x] is None)
+    for i, leaf in enumerate(rest):
+        ranks[leaf] = keep + i
+    return tuple(ranks), tuple(order)
 
 
 def check_step(
@@ -92,8 +133,9 @@ def check_step(
     new: TreeAssignment,
     filtered: bool,
     oracle: bool = True,
+    ws_filter: Callable[[int], int] | None = None,
 ) -> None:
-    check_invariants(t, new)
+    check_invariants(t, new, first=False)
     leaf_of = {r: leaf for leaf, r in enumerate(prev.ranks) if r is not None}
     lost = {leaf_of[r] for r in terminated}
     for leaf in range(t.size):
@@ -127,17 +169,24 @@ def check_step(
         top = t.depth - t.backfill_levels
         domain = t.ancestors[t.bottom_of_leaf[hole]][-1 - top]
         assert mover in leaves_of(t, domain)
-        pairs.setdefault(domain, []).append((holes[hole], was))
+        pairs.setdefault(domain, []).append((hole, was))
     for moves in pairs.values():
-        # The lowest mover fills the lowest hole, and so on (the newer generation's pairing).
+        # The lowest mover fills the first hole in tree order, and so on (the newer
+        # generation's pairing).
         assert [w for _, w in sorted(moves)] == sorted(w for _, w in moves)
     if not filtered:
         assert new.active_world_size == prev.active_world_size - len(holes) + len(filled)
-    if oracle and not filtered:  # the filter makes new reserve ranks
-        # Reserve before backfill and shift: no hole left unfilled had a reserve.
+        # Reserve before backfill and shift: a hole left unfilled had no reserve
+        # rank in reach (reserve counts only fall during the step).
         for hole in holes:
             if hole not in filled:
-                assert eligible_reserve(t, new, hole) is None, hole
+                for n in t.ancestors[t.bottom_of_leaf[hole]][: t.reserve_levels]:
+                    assert all(
+                        new.ranks[x] is None or new.ranks[x] < new.active_world_size
+                        for x in leaves_of(t, n)
+                    ), hole
+    if oracle:
+        assert (new.ranks, new.reserve_order) == model_step(t, prev, terminated, ws_filter)
     if t.reserve_levels == 0 and t.backfill_levels == 0 and not filtered:
         # Plain shift: the surviving active ranks keep their order.
         kept = sorted(
@@ -212,7 +261,7 @@ def test_properties_small_trees(tree, data) -> None:
         # Same inputs, given differently (another rank's view): the same decision.
         again = next_assignment(t, a, sorted(terminated, reverse=True), ws_filter)
         assert again == new
-        check_step(t, a, terminated, new, filtered=use_filter)
+        check_step(t, a, terminated, new, filtered=use_filter, ws_filter=ws_filter)
         if use_filter:
             assert new.active_world_size == calls[-1] // divisor * divisor
         a = new
@@ -243,7 +292,7 @@ def test_properties_16384_ranks(config, data) -> None:
     terminated = set(seeds.sample(range(a.world_size), count))
     new = next_assignment(t, a, terminated)
     assert next_assignment(t, a, list(terminated)) == new
-    # The brute-force reserve oracle is quadratic: checked on the small trees.
+    # The plain model is quadratic: compared on the small trees.
     check_step(t, a, terminated, new, filtered=False, oracle=False)
 
 
@@ -300,23 +349,55 @@ def test_losses_climb_the_tree() -> None:
     assert (second.world_size, second.active_world_size) == (4, 4)
 
 
-def test_reserve_search_respects_max_ranks_of_other_hosts() -> None:
+def test_reserve_search_takes_another_hosts_reserve_past_its_max_ranks() -> None:
     # Hosts of 3 with 2 active: [0 1 r] [2 3 r]. Host 0 loses rank 0 and its
-    # reserve; host 1's reserve would make 3 active on host 1: not taken.
+    # reserve; through the reserve root, host 1's reserve takes rank 0's place
+    # (host 1 then has 3 active: max_ranks caps the first assignment only).
     layers = [Layer(key_or_fn="job", flag=R), Layer(max_ranks=2, flag=R)]
     first, second = assign(layers, hosts(6, 3), {0, 4})
     assert first.ranks == (0, 1, 4, 2, 3, 5)
+    assert second.ranks == (None, 1, None, 2, 3, 0)
+    assert second.reserve_fills == ((0, 5),)
+    assert (second.world_size, second.active_world_size) == (4, 4)
+    # Without RESERVE on the root the search stays on host 0: the gap is shifted.
+    layers = [Layer(key_or_fn="job"), Layer(max_ranks=2, flag=R)]
+    _, second = assign(layers, hosts(6, 3), {0, 4})
     assert second.ranks == (None, 0, None, 1, 2, 3)
-    assert second.reserve_fills == ()
     assert (second.world_size, second.active_world_size) == (4, 3)
 
 
 def test_reserve_from_another_host_through_a_reserve_root() -> None:
-    # Root allows 6 active of 8: [0 1 2 3] [4 5 r r]; rank 2 is lost.
+    # Root allows 6 active of 8: [0 1 2 3] [4 5 r r]; rank 2 is lost. The most
+    # recently deactivated reserve rank (the last in tree order) takes its place.
     layers = [Layer(max_ranks=6, key_or_fn="job", flag=R), Layer(flag=R)]
-    first, second = assign(layers, hosts(8, 4), {2})
+    first, second, third = assign(layers, hosts(8, 4), {2}, {4})
     assert first.ranks == (0, 1, 2, 3, 4, 5, 6, 7)
-    assert second.ranks == (0, 1, None, 3, 4, 5, 2, 6)
+    assert first.reserve_order == (6, 7)
+    assert second.ranks == (0, 1, None, 3, 4, 5, 6, 2)
+    assert second.reserve_fills == ((2, 7),)
+    # Host 1 loses active rank 4 (leaf 4): its own reserve, leaf 6, takes it.
+    assert third.ranks == (0, 1, None, 3, None, 5, 4, 2)
+    assert third.reserve_fills == ((4, 6),)
+    assert third.reserve_order == ()
+
+
+def test_a_whole_lost_group_is_replaced_from_the_other_groups_reserves() -> None:
+    # 12 ranks, hosts of 4 with 3 active (min 2), RESERVE | BACKFILL on both
+    # layers: [0 1 2 r] [3 4 5 r] [6 7 8 r]. Ranks 0-2 are lost, so host 0
+    # (with its reserve) goes whole: the latest reserve (leaf 11) takes active
+    # rank 0, leaf 7 rank 1, and rank 2 (no reserve left) is backfilled by the
+    # highest active rank (leaf 10, rank 8): the world keeps 8 active ranks.
+    layers = [
+        Layer(key_or_fn="job", flag=R | B),
+        Layer(min_ranks=2, max_ranks=3, flag=R | B),
+    ]
+    first, second = assign(layers, hosts(12, 4), {0, 1, 2})
+    assert first.active_world_size == 9
+    active = [r if r is not None and r < second.active_world_size else None for r in second.ranks]
+    assert active == [None] * 4 + [3, 4, 5, 1, 6, 7, 2, 0]
+    assert second.reserve_fills == ((0, 11), (1, 7))
+    assert second.backfills == ((2, 10),)
+    assert (second.world_size, second.active_world_size) == (8, 8)
 
 
 def test_world_size_filter_trims_the_active_ranks() -> None:
@@ -641,3 +722,56 @@ def test_init_rank_map_with_the_wrappers_store() -> None:
             state.rank, state.active_rank, state.mode
         )
         assert state.active_rank == (state.rank if state.mode == Mode.ACTIVE else None)
+
+
+def test_a_lost_group_is_replaced_from_other_groups_reserves_with_either_store() -> None:
+    """12 ranks, hosts of 4 with 3 active, RESERVE | BACKFILL on both layers; ranks
+    0-2 are lost and host 0 goes whole. Both stores give the newer generations'
+    world: two other hosts' reserves come in past their max_ranks (latest first),
+    and the last gap is backfilled."""
+    expected = [None] * 4 + [3, 4, 5, 1, 6, 7, 2, 0]
+
+    def layers(key: Callable[[State], object]) -> list[Layer]:
+        return [
+            Layer(flag=R | B),
+            Layer(min_ranks=2, max_ranks=3, key_or_fn=key, flag=R | B),
+        ]
+
+    # A stand-in store (every rank's state and keys at hand).
+    tree, states, store = stand_in(12, layers(lambda s: s.rank // 4))
+    ctx = tree(RankAssignmentCtx(states[0], store, set()))
+    assert active_ranks(tree, 12) == [0, 1, 2, None, 3, 4, 5, None, 6, 7, 8, None]
+    ctx.terminated_ranks = {0, 1, 2}
+    with pytest.raises(RankDiscarded):
+        tree(ctx)
+    assert active_ranks(tree, 12) == expected
+    assert tree.init_rank_map[0].state.mode == Mode.TERMINATED
+
+    # The Wrapper's store: every rank calls its own tree, in its own thread.
+    n = 12
+    trees = {r: Tree(layers(lambda s: f"h{s.initial_rank // 4}")) for r in range(n)}
+    raw = HashStore()
+
+    def ctxs(states: dict[int, State], iteration: int, terminated: set[int]):
+        prefixed = PrefixStore(f"{P.barrier_name(iteration, 0)}/assignment", raw)
+        return {
+            s.rank: RankAssignmentCtx(s.copy(), prefixed, set(terminated))
+            for s in states.values()
+        }
+
+    first = run_ranks(trees, ctxs({r: State(rank=r, world_size=n) for r in range(n)}, 0, set()))
+    running = {}
+    for state in first.values():
+        assert isinstance(state, State), state
+        state.iteration = 0
+        running[state.rank] = state
+    lost = {s.rank for s in running.values() if s.initial_rank in (0, 1, 2)}
+    second = run_ranks(trees, ctxs(running, 1, lost))
+    by_initial: dict[int, object] = {running[r].initial_rank: s for r, s in second.items()}
+    for initial in range(4):
+        assert isinstance(by_initial[initial], RankDiscarded), by_initial[initial]
+    got = [None] * 4 + [by_initial[i].active_rank for i in range(4, n)]  # type: ignore[union-attr]
+    assert got == expected
+    assert {(by_initial[i].world_size, by_initial[i].active_world_size) for i in range(4, n)} == {
+        (8, 8)
+    }

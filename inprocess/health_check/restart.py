@@ -16,8 +16,8 @@ Each check looks at the devices of this rank only (``device_index``, default
 
 Where NVML, the GPU or the NIC counters are absent (a CPU machine), a check
 passes and says once, at INFO, why it checked nothing.
-:func:`restart_health_checks` chains them with the user's check: GPU, NVLink,
-NIC, then the user's.
+:func:`restart_health_checks` chains them with the user's check: NIC, NVLink,
+GPU, then the user's.
 
 Each takes either generation's arguments (``(state, exception)`` or
 ``(frozen_state)``) and returns them unchanged.
@@ -251,9 +251,11 @@ def restart_health_checks(
 ) -> Compose | None:
     """The restart health check of a rank: its device checks, then ``user``'s.
 
-    Runs ``ChainedGPUHealthCheck``, ``ChainedNVLHealthCheck``, then (``nic``)
-    ``ChainedNicHealthCheck``, then the user's check(s) (a ``Compose`` is
-    flattened): the device checks first, so that a user's check that uses the
+    ``Compose(user..., gpu, nvl, nic)``, as the API's newest generation builds
+    it (a ``Compose`` of the user's is flattened): runs (``nic``)
+    ``ChainedNicHealthCheck``, ``ChainedNVLHealthCheck``,
+    ``ChainedGPUHealthCheck``, then the user's check(s), the last listed first:
+    the device checks first, so that a user's check that uses the
     device meets a device already known to be usable. ``nic=None`` (as the
     Wrapper builds it) or ``True`` includes the NIC check, which passes where the
     node has no InfiniBand port counters; ``False`` leaves it out. ``device_index``
@@ -267,11 +269,11 @@ def restart_health_checks(
     checks: list[Any] = []
     if user is not None:
         checks += user.instances if isinstance(user, Compose) else [user]
+    checks.append(ChainedGPUHealthCheck(device_index=device_index))
+    checks.append(ChainedNVLHealthCheck(device_index=device_index))
     if nic is not False:
         checks.append(ChainedNicHealthCheck(device_index=device_index))
-    checks.append(ChainedNVLHealthCheck(device_index=device_index))
-    checks.append(ChainedGPUHealthCheck(device_index=device_index))
-    # Compose runs the last listed first: GPU, NVLink, NIC, then the user's.
+    # Compose runs the last listed first: NIC, NVLink, GPU, then the user's.
     return Compose(*checks)
 
 

@@ -60,7 +60,9 @@ class LayerFlag(enum.Flag):
         RESERVE: groups of this layer may be searched for an inactive (reserve)
             rank to take over a lost active rank. The search starts at the lost
             rank's own group of the lowest layer and climbs one layer at a time
-            while the layer carries this flag.
+            while the layer carries this flag; the first group that has a
+            reserve rank gives its most recently deactivated one, whatever the
+            ``max_ranks`` of the groups that rank belongs to.
         BACKFILL: groups of this layer may move one of their own active ranks
             (the one with the highest active rank) into a gap left by a lost
             active rank, when no reserve rank was found. The highest group in an
@@ -96,8 +98,11 @@ class Layer:
         min_ranks: the fewest healthy (active or inactive) ranks a group of this
             layer may keep; a group with fewer is given up whole: all its
             ranks are terminated, and its parent group counts them as lost.
-        max_ranks: the most ranks of a group of this layer that may be active
-            at once; ``None`` for no limit. The others are reserve ranks.
+        max_ranks: the most ranks of a group of this layer that the first
+            assignment activates; ``None`` for no limit. The others are reserve
+            ranks. A reserve rank that a lost rank of another group takes over
+            (:attr:`LayerFlag.RESERVE` above this layer) may bring a group past
+            it, as in the API's newer generations.
         key_or_fn: the group of this rank at this layer: a string, or a
             callable ``(state) -> key`` evaluated on each rank for itself (for
             example ``lambda state: socket.gethostname()``). A key that is not a
@@ -282,6 +287,9 @@ class TreeAssignment:
             whose place a reserve rank took, in the order they were handled.
         backfills: ``(lost leaf, moved leaf)`` for each lost active rank whose
             place an active rank of its backfill domain took.
+        reserve_order: the inactive leaves in the order they became inactive,
+            the most recent last (the order the reserve search takes them in);
+            ``None``: in tree order.
 
     Inactive ranks follow the active ones in tree order.
     """
@@ -291,6 +299,7 @@ class TreeAssignment:
     world_size: int
     reserve_fills: tuple[tuple[int, int], ...] = ()
     backfills: tuple[tuple[int, int], ...] = ()
+    reserve_order: tuple[int, ...] | None = None
 
     @property
     def active_world_size(self) -> int:
@@ -360,7 +369,8 @@ def initial_assignment(
                 active[n] += 1
             status[leaf] = _ACTIVE
             active_leaves.append(leaf)
-    return _finish(status, active_leaves, world_size_filter, (), ())
+    reserves = _positions(status, _INACTIVE, 0, topology.size)  # deactivated in tree order
+    return _finish(status, active_leaves, world_size_filter, (), (), reserves)
 
 
 def next_assignment(
@@ -372,19 +382,21 @@ def next_assignment(
     """The assignment after an iteration numbered by ``previous`` in which
     ``terminated_ranks`` (in that numbering) were lost.
 
-    Steps: (1) groups left under ``min_ranks`` are given up, children before
-    parents; (2) each lost active rank is replaced by the first inactive rank
-    (in tree order) of its nearest group on its RESERVE path such that no group
-    exceeds its ``max_ranks``: every lost rank's lowest group is searched
-    before any group a layer up, and so on, lost ranks by increasing active
-    rank within a layer; (3) gaps still open
-    are backfilled from the backfill domain's highest active ranks, the lowest
-    of them into the lowest gap; (4) the
-    remaining gaps are closed by shifting the active ranks down; (5) the active
-    ranks are trimmed by ``world_size_filter``.
+    Steps, as the API's newer generations take them: (1) groups left under
+    ``min_ranks`` are given up, children before parents; (2) the lost active
+    ranks, in tree order, are each replaced by the most recently deactivated
+    inactive rank of the nearest group on its RESERVE path that has one (no
+    ``max_ranks`` is checked: a group whose reserve rank takes the place of
+    another group's lost rank may end past its ``max_ranks``); (3) gaps still
+    open are backfilled from the backfill domain's highest active ranks, the
+    lowest of them into the first gap in tree order; (4) the remaining gaps
+    are closed by shifting the active ranks down; (5) the active ranks are
+    trimmed by ``world_size_filter`` (the ranks it deactivates become the most
+    recent reserve ranks, in tree order).
 
     Costs O(n) only in C-level copies and scans, plus Python work in the number
-    of lost ranks and of groups (and the backfill domains' sizes), so that one
+    of lost ranks and of groups (and the backfill domains' sizes, and the
+    reserve ranks of the groups searched, sorted once each), so that one
     rank's call stays fast at tens of thousands of ranks.
     """
     if len(previous.status) != topology.size:
@@ -421,43 +433,42 @@ def next_assignment(
         lost.update(zip(dropped, map(slot_of.__getitem__, dropped), strict=True))
     # Holes are the lost active ranks; hole h was leaf was_at[h]. Kept as
     # plain ints (no tuples) so that a call allocates few objects the garbage
-    # collector tracks.
-    holes = sorted(lost.values())
+    # collector tracks. Handled in tree order, as the newer generations number
+    # (and so handle) their ranks in tree order.
     was_at = previous.active_leaves
+    holes = sorted(lost.values(), key=was_at.__getitem__)
     for hole in holes:
         active_leaves[hole] = None
 
-    # (2) reserve: the lowest groups first for every hole, then one layer up,
-    # and so on; within a layer, holes by increasing active rank.
+    # (2) reserve: each hole climbs its RESERVE path to the first group with a
+    # reserve rank and takes its most recently deactivated one.
     reserve_fills: list[tuple[int, int]] = []
     open_holes = holes
     if topology.reserve_levels and holes:
-        active, inactive = _counts(topology, status)
-        search = _ReserveSearch(topology, status, active, inactive)
+        inactive = _inactive_counts(topology, status)
+        search = _ReserveSearch(topology, status, previous.reserve_order)
         ancestors, bottom_of_leaf = topology.ancestors, topology.bottom_of_leaf
-        for level in range(topology.reserve_levels):
-            if inactive[0] == 0:  # no reserve rank left anywhere (node 0 is the root)
-                break
-            # Holes whose group has no reserve rank now never will in this step
-            # (reserve counts only fall): set aside without a search.
-            groups = [ancestors[bottom_of_leaf[was_at[h]]][level] for h in open_holes]
-            unfilled = [h for h, g in zip(open_holes, groups, strict=True) if not inactive[g]]
-            candidates = [h for h, g in zip(open_holes, groups, strict=True) if inactive[g]]
-            for hole in candidates:
-                found = search.replacement(was_at[hole], level)
-                if found < 0:
-                    unfilled.append(hole)
-                    continue
-                status[found] = _ACTIVE
-                active_leaves[hole] = found
-                for n in ancestors[bottom_of_leaf[found]]:
-                    active[n] += 1
-                    inactive[n] -= 1
-                reserve_fills.append((was_at[hole], found))
-            open_holes = sorted(unfilled)
+        levels = topology.reserve_levels
+        unfilled: list[int] = []
+        for hole in holes:
+            found = -1
+            if inactive[0]:  # a reserve rank left anywhere (node 0 is the root)
+                for group in ancestors[bottom_of_leaf[was_at[hole]]][:levels]:
+                    if inactive[group]:
+                        found = search.latest(group)
+                        break
+            if found < 0:
+                unfilled.append(hole)
+                continue
+            status[found] = _ACTIVE
+            active_leaves[hole] = found
+            for n in ancestors[bottom_of_leaf[found]]:
+                inactive[n] -= 1
+            reserve_fills.append((was_at[hole], found))
+        open_holes = unfilled
 
-    # (3) backfill within each domain: its highest active ranks move down into
-    # its lowest gaps; the places they leave become gaps.
+    # (3) backfill within each domain: its highest active ranks move into its
+    # gaps, in tree order; the places they leave become gaps.
     backfills: list[tuple[int, int]] = []
     if topology.backfill_levels and open_holes:
         top = topology.depth - topology.backfill_levels
@@ -473,7 +484,7 @@ def next_assignment(
                 len(domain_holes), map(slot_of.__getitem__, _positions(status, _ACTIVE, lo, hi))
             )
             # The domain's highest active ranks, in increasing order, fill its
-            # holes in increasing order (as the newer generation pairs them; a
+            # holes in tree order (as the newer generation pairs them; a
             # mover below its hole moves up, and the shift then closes the gap
             # it left). Holes past the movers stay open for the shift.
             movers.reverse()
@@ -486,8 +497,13 @@ def next_assignment(
     # (4) shift: the gaps left close up.
     if None in active_leaves:
         active_leaves = [x for x in active_leaves if x is not None]
+    if previous.reserve_order is None:
+        reserves = _positions(status, _INACTIVE, 0, topology.size)
+    else:  # those still inactive, in the order they became so
+        reserves = [leaf for leaf in previous.reserve_order if status[leaf] == _INACTIVE]
     return _finish(
-        status, active_leaves, world_size_filter, tuple(reserve_fills), tuple(backfills)
+        status, active_leaves, world_size_filter, tuple(reserve_fills), tuple(backfills),
+        reserves,
     )
 
 
@@ -502,20 +518,17 @@ def _checked_layers(layers: Sequence[Layer]) -> tuple[Layer, ...]:
     return tuple(layers)
 
 
-def _counts(topology: Topology, status: bytearray) -> tuple[list[int], list[int]]:
-    """Active and inactive ranks of every group."""
-    nodes = len(topology.node_depth)
-    active, inactive = [0] * nodes, [0] * nodes
+def _inactive_counts(topology: Topology, status: bytearray) -> list[int]:
+    """The inactive ranks of every group."""
     lo, hi, parent = topology.node_lo, topology.node_hi, topology.node_parent
+    inactive = [0] * len(topology.node_depth)
     for b in topology.bottoms:
-        active[b] = status.count(_ACTIVE, lo[b], hi[b])
         inactive[b] = status.count(_INACTIVE, lo[b], hi[b])
     for n in topology.bottom_up:
         p = parent[n]
         if p >= 0:
-            active[p] += active[n]
             inactive[p] += inactive[n]
-    return active, inactive
+    return inactive
 
 
 def _propagate_terminations(topology: Topology, status: bytearray) -> list[int]:
@@ -542,61 +555,37 @@ def _propagate_terminations(topology: Topology, status: bytearray) -> list[int]:
 
 
 class _ReserveSearch:
-    """Finds a reserve rank for a lost active rank; see :func:`next_assignment`.
+    """Finds a group's most recently deactivated reserve rank; see :func:`next_assignment`.
 
-    During the reserve step inactive counts only fall and active counts only
-    rise, so a child found unusable stays unusable: each group keeps a cursor
-    past its unusable children (invariant: every child before the cursor has no
-    usable reserve rank), which makes all searches together linear in the
-    number of groups.
+    Each group searched gets, once, the stack of its inactive leaves in the
+    order they became inactive. Invariant: during the reserve step a leaf only
+    goes from inactive to active, never back, so a group's stack holds all of
+    its inactive leaves, the most recent on top, under leaves already taken
+    (through another group's stack), which are skipped as they surface.
     """
 
     def __init__(
-        self, topology: Topology, status: bytearray, active: list[int], inactive: list[int]
+        self, topology: Topology, status: bytearray, order: tuple[int, ...] | None
     ) -> None:
         self.t = topology
         self.status = status
-        self.active = active
-        self.inactive = inactive
-        self.cursor = [0] * len(topology.node_depth)
+        # the place of each inactive leaf in the order they became inactive
+        self.place = None if order is None else dict(zip(order, range(len(order)), strict=True))
+        self.stacks: dict[int, list[int]] = {}
 
-    def first(self, node: int) -> int:
-        """The first usable inactive leaf under ``node`` in tree order, or -1.
-
-        Usable: ``node`` and every group on the way down to the leaf have an
-        inactive rank and fewer active ranks than their ``max_ranks``.
-        """
-        if self.inactive[node] == 0:
-            return -1
-        limit = self.t.max_ranks[self.t.node_depth[node]]
-        if limit is not None and self.active[node] >= limit:
-            return -1
-        children = self.t.node_children[node]
-        if not children:
-            return self.status.find(_INACTIVE, self.t.node_lo[node], self.t.node_hi[node])
-        while self.cursor[node] < len(children):
-            found = self.first(children[self.cursor[node]])
-            if found >= 0:
-                return found
-            self.cursor[node] += 1
+    def latest(self, group: int) -> int:
+        """The most recently deactivated inactive leaf under ``group``, or -1."""
+        stack = self.stacks.get(group)
+        if stack is None:
+            stack = _positions(self.status, _INACTIVE, self.t.node_lo[group], self.t.node_hi[group])
+            if self.place is not None:
+                stack.sort(key=self.place.__getitem__)
+            self.stacks[group] = stack
+        while stack:
+            leaf = stack.pop()
+            if self.status[leaf] == _INACTIVE:
+                return leaf
         return -1
-
-    def replacement(self, leaf: int, level: int) -> int:
-        """A reserve leaf for lost ``leaf`` in its group ``level`` layers up, or -1.
-
-        The groups above that one must be under their ``max_ranks`` too: the
-        lost rank's place may already have gone to another group's loss.
-        """
-        chain = self.t.ancestors[self.t.bottom_of_leaf[leaf]]
-        node = chain[level]
-        if self.inactive[node] == 0:
-            return -1
-        limits, depth_of, active = self.t.max_ranks, self.t.node_depth, self.active
-        for above in chain[level + 1 :]:
-            limit = limits[depth_of[above]]
-            if limit is not None and active[above] >= limit:
-                return -1
-        return self.first(node)
 
 
 def _finish(
@@ -605,8 +594,10 @@ def _finish(
     world_size_filter: Callable[[int], int] | None,
     reserve_fills: tuple[tuple[int, int], ...],
     backfills: tuple[tuple[int, int], ...],
+    reserves: list[int],
 ) -> TreeAssignment:
-    """Applies the world-size filter: the active ranks past it become reserve ranks."""
+    """Applies the world-size filter: the active ranks past it become reserve ranks,
+    the most recent ones (``reserves``: the inactive leaves, oldest first), in tree order."""
     count = len(active_leaves)
     if world_size_filter is not None:
         wanted = world_size_filter(count)
@@ -617,10 +608,12 @@ def _finish(
             )
         for leaf in active_leaves[wanted:]:
             status[leaf] = _INACTIVE
+        reserves.extend(sorted(active_leaves[wanted:]))
         del active_leaves[wanted:]
     world_size = len(status) - status.count(_TERMINATED)
     return TreeAssignment(
-        bytes(status), tuple(active_leaves), world_size, reserve_fills, backfills
+        bytes(status), tuple(active_leaves), world_size, reserve_fills, backfills,
+        tuple(reserves),
     )
 
 
@@ -635,10 +628,13 @@ class Tree(RankAssignment):
 
     1. every group left with fewer healthy ranks than its layer's ``min_ranks``
        is given up whole, children before parents, so losses climb the tree;
-    2. each lost active rank is replaced by a reserve (inactive) rank, searched
-       in the lost rank's own lowest group first, then one layer up at a time
-       while the layer has :attr:`LayerFlag.RESERVE`; a reserve rank is only
-       taken when no group it belongs to exceeds its ``max_ranks``;
+    2. each lost active rank, in tree order, is replaced by a reserve
+       (inactive) rank, searched in the lost rank's own lowest group first,
+       then one layer up at a time while the layer has
+       :attr:`LayerFlag.RESERVE`: the first group with a reserve rank gives its
+       most recently deactivated one, even when that brings the rank's own
+       groups past their ``max_ranks`` (as in the API's newer generations:
+       ``max_ranks`` caps the first assignment);
     3. a gap no reserve rank could fill is backfilled within its backfill
        domain (:attr:`LayerFlag.BACKFILL`) by the domain's highest active rank;
     4. the gaps still open are closed by shifting the active ranks down;
