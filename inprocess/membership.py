@@ -119,7 +119,9 @@ class Barriers:
             # Run once, by the rank that completes the barrier: every other
             # rank derives the membership from what it publishes (O(1) read
             # when every rank has its launch identity) and checks its own place.
-            # (With claims, two processes with one identity arrive twice: refused.)
+            # (With claims, two processes with one identity arrive twice: refused.
+            # A relaunched worker's arrival replaces its predecessor's: see
+            # protocol.latest_incarnations.)
             members = sorted(arrived, key=initial_rank_of)
             ranks = [initial_rank_of(m) for m in members]
             if ranks != list(range(size)):
@@ -139,6 +141,7 @@ class Barriers:
                 arrange=by_initial_rank,
                 expand=functools.partial(protocol.decode_initial, token=token),
                 claim=uuid.uuid4().hex[:12],
+                supersede=protocol.latest_incarnations,
             )
         except BarrierRefused as ex:
             raise InternalError(str(ex)) from None

@@ -176,7 +176,7 @@ class NestedRestarterCallback:
                 "rank": self.special_rank,
             }
             try:
-                append_jsonl(path, record, nofollow=True)  # (never through a symlink)
+                append_jsonl(path, record, owned=True)  # (never through a symlink, never theirs)
             except OSError as ex:  # a record never stops a restart
                 log.debug("cannot append the restarter record to %s: %s", path, ex)
 

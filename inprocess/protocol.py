@@ -39,8 +39,8 @@ Decisions
 Read API
     What a job controller reads of a running Wrapper job, over any
     ``torch.distributed.Store`` client on the job's store: :func:`wrapper_present`,
-    :func:`latest_call`, :func:`initial_done`, :func:`membership`,
-    :func:`terminated`, :func:`fault_log`.
+    :func:`latest_call`, :func:`initial_done`, :func:`initial_arrivals`,
+    :func:`membership`, :func:`join_requests`, :func:`terminated`, :func:`fault_log`.
 
 Every value in the schema is a sealed record (:func:`inprocess.security.seal`,
 MAC'd under the job's secret and the key's full name); lists hold one record
@@ -447,6 +447,39 @@ def incarnation_of(identity: str) -> int:
     return int(identity.split("/", 1)[1].split(".", 1)[0])
 
 
+def _rank_and_incarnation(identity: str) -> tuple[int, int] | None:
+    """``(initial rank, incarnation)`` of a well-formed identity, else ``None``."""
+    if not valid_identity(identity):
+        return None
+    rank, _, rest = identity.partition("/")
+    incarnation = int_or_none(rest.partition(".")[0])
+    return None if incarnation is None else (int(rank), incarnation)
+
+
+def latest_incarnations(arrivals: Sequence[str]) -> list[str]:
+    """The arrivals at a barrier of launched ranks that count: per initial rank, those
+    of its newest incarnation, in arrival order.
+
+    A relaunched worker (a newer incarnation of its rank) replaces the arrival its
+    predecessor left there, which its barrier timeout or a kill ended; it must not
+    count as a second process of the rank. Two arrivals of one incarnation (two
+    processes given one ``RANK``) both stay, for the barrier to refuse; so does
+    anything that is not an identity.
+    """
+    newest: dict[int, int] = {}
+    for arrival in arrivals:
+        parsed = _rank_and_incarnation(arrival)
+        if parsed is not None:
+            rank, incarnation = parsed
+            newest[rank] = max(newest.get(rank, incarnation), incarnation)
+    kept = []
+    for arrival in arrivals:
+        parsed = _rank_and_incarnation(arrival)
+        if parsed is None or parsed[1] == newest[parsed[0]]:
+            kept.append(arrival)
+    return kept
+
+
 def launch_identity(initial_rank: int, token: str) -> str:
     """The identity of the rank at ``initial_rank`` of a launch (incarnation 0)."""
     return f"{initial_rank}/0.{token}"
@@ -817,6 +850,14 @@ def terminated(store: Any, call_ns: str) -> list[str]:
 def join_requests(store: Any, call_ns: str) -> list[str]:
     """The identities that asked to join the call, in order."""
     return [i for i in _records(store, f"{call_ns}/{JOIN_REQUESTS}") if valid_identity(i)]
+
+
+def initial_arrivals(store: Any, call_ns: str) -> list[str]:
+    """The identities that arrived at the call's initial barrier, in order (every
+    incarnation of a rank that arrived, see :func:`latest_incarnations`)."""
+    key = f"{call_ns}/{arrivals_key(INITIAL)}"
+    found = (entry.partition("=")[0] for entry in _records(store, key))
+    return [i for i in found if valid_identity(i)]
 
 
 def fault_entry(identity: str, reason: str, time: float) -> str:

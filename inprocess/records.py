@@ -47,6 +47,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from . import protocol
+from .ownership import distrust, distrust_chain
 from .protocol import initial_rank_of
 
 log = logging.getLogger(__name__)
@@ -126,19 +127,64 @@ def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     return records
 
 
+#: directories whose chain :func:`distrust_chain` found trusted, in this process: it
+#: stays so (only this user and root can change it), so it is looked at once
+_trusted_dirs: set[str] = set()
+
+
+def records_distrust(path: str | os.PathLike[str]) -> str | None:
+    """Why the records file ``path`` is not this user's own to append to; ``None``: it is.
+
+    A records file is written by the job's processes for as long as they run, and
+    by root as often as by anyone: one another user planted (in ``/tmp``...), or
+    could swap through a directory they control, would have the job write into a
+    file of their choosing. So the file, when it exists, must be this user's and no
+    symlink, and its directory's chain only this user's and root's
+    (:func:`inprocess.ownership.distrust_chain`).
+    """
+    path = os.path.abspath(os.fspath(path))
+    directory = os.path.dirname(path)
+    if directory not in _trusted_dirs:
+        why = distrust_chain(directory)
+        if why is not None:
+            return why
+        if os.path.isdir(directory):  # (one still to be made is looked at again)
+            _trusted_dirs.add(directory)
+    try:
+        why = distrust(os.lstat(path), others=0)
+    except FileNotFoundError:
+        return None
+    return None if why is None else f"{path} {why}"
+
+
 def append_jsonl(
     path: str | os.PathLike[str],
     record: dict[str, Any],
     durable: bool = False,
     nofollow: bool = False,
+    owned: bool = False,
 ) -> None:
     """Appends ``record`` as one line, in one ``write(2)`` (``O_APPEND``: concurrent
     writers' lines never interleave). ``durable`` also fsyncs it; ``nofollow``
-    refuses a symlink at ``path`` (ELOOP) instead of writing through it."""
+    refuses a symlink at ``path`` (ELOOP) instead of writing through it;
+    ``owned`` (implies ``nofollow``) refuses, with a ``PermissionError`` saying
+    why, a file that is not this user's own (:func:`records_distrust`): the
+    file opened is looked at, not only its name."""
     line = json.dumps(record, separators=(",", ":"), default=str).encode() + b"\n"
     flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
-    fd = os.open(path, flags | (os.O_NOFOLLOW if nofollow else 0), 0o600)
+    if owned:
+        why = records_distrust(path)  # before the file is made in a stranger's place
+        if why is not None:
+            raise PermissionError(why)
+    fd = os.open(path, flags | (os.O_NOFOLLOW if nofollow or owned else 0), 0o600)
     try:
+        if owned:
+            # What was opened, whatever was at the path when it was looked at; and
+            # its directory again, should someone have made it meanwhile.
+            why = distrust(os.fstat(fd), others=0)
+            why = f"{os.fspath(path)} {why}" if why is not None else records_distrust(path)
+            if why is not None:
+                raise PermissionError(why)
         os.write(fd, line)
         if durable:
             os.fsync(fd)
@@ -328,9 +374,10 @@ class Recorder:
     def _write(self, record: dict[str, Any]) -> None:
         assert self.path is not None
         try:
-            # never through a symlink: one planted at the records file's path would
-            # have the job append to whatever file it names
-            append_jsonl(self.path, record, nofollow=True)
+            # never through a symlink, nor to a file or through a directory of another
+            # user: one planted at the records file's path would have the job append
+            # to whatever file it names
+            append_jsonl(self.path, record, owned=True)
         except OSError as ex:
             self.enabled = False  # one warning, not one per iteration
             why = "it is a symlink" if ex.errno == errno.ELOOP else ex

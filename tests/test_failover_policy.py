@@ -93,10 +93,12 @@ class Sim:
         self.execute(actions)
         return actions
 
-    def start(self, w: int) -> None:
+    def start(self, w: int, warm: bool = False) -> None:
         self.pid += 1
         before = dumps_state(self.state)
-        new = P.worker_started(self.state, w, pid=self.pid, start_time=self.now, now=self.tick())
+        new = P.worker_started(
+            self.state, w, pid=self.pid, start_time=self.now, now=self.tick(), warm=warm
+        )
         assert dumps_state(self.state) == before
         self.adopt(new)
 
@@ -119,7 +121,7 @@ class Sim:
                     self.start(w)
             elif isinstance(a, P.RelaunchWorker):
                 self.kill([a.worker])
-                self.start(a.worker)
+                self.start(a.worker, warm=not a.fresh)  # a standby takes it unless fresh
                 assert self.state.workers[a.worker].slot == a.slot
             elif isinstance(a, P.RelaunchNode):
                 self.kill(a.workers)
@@ -863,3 +865,94 @@ def test_node_relaunch_leaves_aborted_workers_alone():
     relaunch = only(sim.fail(0), P.RelaunchNode)
     assert relaunch.workers == (0,)
     assert sim.state.workers[1].status is S.ABORTED
+
+
+# -- joining: a started worker must join the Wrapper job in time ----------------
+
+
+def joined_sim(**kw) -> Sim:
+    """A Wrapper job whose four workers were all seen in it."""
+    sim = running_sim(managed=True, join_timeout=100, standby_join_timeout=10, **kw)
+    for w in sorted(sim.state.workers):
+        sim.adopt(P.worker_joined(sim.state, w, 0, now=sim.tick()))
+    return sim
+
+
+def test_a_worker_that_does_not_join_in_time_is_replaced_by_a_fresh_process():
+    sim = joined_sim()
+    assert P.overdue_joins(sim.state, now=sim.now + 10_000) == []  # all joined
+    only(sim.fail(1), P.RelaunchWorker)  # a warm standby takes its place: the shorter deadline
+    started = sim.state.workers[1].started_at
+    assert sim.state.workers[1].join_timeout == 10 and not sim.state.workers[1].joined
+    assert P.overdue_joins(sim.state, now=started + 10) == []
+    late = P.overdue_joins(sim.state, now=started + 10.5)
+    assert late == [P.JoinOverdue(1, 1, 10.5)]
+    actions = sim.event(late[0])
+    assert only(actions, P.RelaunchWorker) == P.RelaunchWorker(1, 0, fresh=True)
+    record = sim.state.workers[1]
+    assert record.incarnation == 2 and record.status is S.RUNNING and record.join_misses == 1
+    assert sim.state.worker_restarts[1] == 1  # the stopped standby is no failure of the worker
+    overdue = [e for e in sim.state.events if e["kind"] == "worker_join_overdue"]
+    assert len(overdue) == 1 and "did not join the job 10s after its start" in overdue[0]["message"]
+    # the fresh process gets the generous deadline, and joins
+    assert record.join_timeout == 100
+    assert P.overdue_joins(sim.state, now=record.started_at + 99) == []
+    sim.adopt(P.worker_joined(sim.state, 1, 2, now=sim.tick()))
+    assert sim.state.workers[1].joined and sim.state.workers[1].join_misses == 0
+    same = sim.state
+    assert P.worker_joined(same, 1, 2, now=sim.tick()) is same  # once
+    assert P.worker_joined(same, 1, 1, now=sim.tick()) is same  # an older incarnation
+    assert P.overdue_joins(sim.state, now=sim.now + 10_000) == []
+    only(sim.event(late[0]), P.Ignore)  # stale: incarnation 2 is gone
+
+
+def test_a_controller_that_crashed_replacing_an_overdue_worker_spawns_a_fresh_one():
+    sim = joined_sim()
+    sim.fail(2)
+    (late,) = P.overdue_joins(sim.state, now=sim.now + 1000)
+    new, _actions = P.handle_event(sim.state, late, now=sim.tick())  # decided and saved, not done
+    sim.state = new
+    relaunch = [a for a in sim.restart_controller() if isinstance(a, P.RelaunchWorker)]
+    assert relaunch == [P.RelaunchWorker(2, 1, fresh=True)]
+    assert sim.state.workers[2].join_timeout == 100
+
+
+def test_a_replacement_that_never_joins_ends_the_job_with_one_clear_reason():
+    sim = joined_sim()
+    sim.fail(0)
+    now = sim.now + 1000
+    (late,) = P.overdue_joins(sim.state, now=now)
+    assert late.worker == 0
+    only(sim.event(late), P.RelaunchWorker)
+    (again,) = P.overdue_joins(sim.state, now=sim.now + 1000)
+    assert again.worker == 0 and again.incarnation == late.incarnation + 1
+    assert sim.state.workers[0].join_timeout == 100  # the fresh one: the longer deadline
+    stop = only(sim.event(again), P.StopJob)
+    assert stop.exit_code == P.FAILURE_EXIT_CODE
+    assert f"worker 0 incarnation {again.incarnation} did not join the job" in stop.reason
+    assert "join deadline 100s" in stop.reason and "did not join either" in stop.reason
+    assert sim.state.stage is Stage.STOPPED
+
+
+def test_joining_applies_to_wrapper_jobs_only_and_0_means_no_deadline():
+    for managed in (None, False):
+        sim = running_sim(managed=managed, join_timeout=5)
+        assert P.overdue_joins(sim.state, now=sim.now + 1000) == []
+        only(sim.event(P.JoinOverdue(1, 0, 1000.0)), P.Ignore)
+    sim = running_sim(managed=True, join_timeout=0)
+    assert P.overdue_joins(sim.state, now=sim.now + 10**6) == []
+    # a job starting (READY) has no verdict yet; a worker that succeeded needs none
+    sim = running_sim(managed=True, join_timeout=5)
+    sim.event(P.WorkerExited(2, 0, 0))
+    assert [e.worker for e in P.overdue_joins(sim.state, now=sim.now + 1000)] == [0, 1, 3]
+
+
+def test_join_overdue_and_join_timeouts_are_checked():
+    with pytest.raises(P.PolicyError, match=r"JoinOverdue\.waited"):
+        P.JoinOverdue(0, 0, float("nan"))
+    with pytest.raises(P.PolicyError, match="warm must be True or False"):
+        sim = Sim(make_spec())
+        sim.decide(P.start_job)
+        P.worker_started(sim.state, 0, pid=5, start_time=1.0, now=2.0, warm=1)
+    with pytest.raises(P.PolicyError, match="now must be a finite number"):
+        P.overdue_joins(running_sim(managed=True).state, now=float("inf"))

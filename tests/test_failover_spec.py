@@ -103,6 +103,9 @@ INVALID = [
     ("monitor_interval", 1e308, "JobSpec.monitor_interval must be a number of seconds in"),
     ("monitor_interval", 1e-5, "JobSpec.monitor_interval must be a number of seconds in"),
     ("job_id", "j" * 129, "JobSpec.job_id must be at most 128 characters, got 129"),
+    ("join_timeout", -1, "JobSpec.join_timeout must be a number of seconds in 0..86400"),
+    ("join_timeout", "60", "JobSpec.join_timeout must be a number of seconds"),
+    ("standby_join_timeout", float("inf"), "JobSpec.standby_join_timeout must be a number"),
 ]
 
 

@@ -176,15 +176,16 @@ def test_a_strangers_directory_in_tmpdir_does_not_stop_a_wrapped_call(
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_swapped_log_directory_is_not_written_through(tmp_path, public_tmp):
-    """``--log-dir`` in a directory a stranger can write: the stranger moves the
-    job's log subdirectory away and puts one of theirs in its place, whose
-    ``stdout.log`` / ``stderr.log`` are symlinks to a file only root may read.
+    """The job's log subdirectory is moved away and a stranger's put in its place,
+    whose ``stdout.log`` / ``stderr.log`` are symlinks to a file only root may
+    read. (A ``--log-dir`` where a stranger could do that is refused at the
+    launch, see ``test_chain_of_trust``; here root does it, for a stranger.)
     A relaunched worker's output is not appended to that file (its streams go
     to the console, and the refusal is logged); the job's own log directories
     were made private (0750)."""
     logs = public_tmp / "logs"
     logs.mkdir()
-    logs.chmod(0o777)  # a stranger may rename what is in it
+    logs.chmod(0o755)
     secret = public_tmp / "secret"
     secret.write_text("root only\n")
     secret.chmod(0o600)
@@ -196,12 +197,16 @@ def test_a_swapped_log_directory_is_not_written_through(tmp_path, public_tmp):
         attempt = next(mine.iterdir())
         modes = {p: p.stat().st_mode & 0o777 for p in (mine, attempt, attempt / "1")}
         # the swap: the job's directory renamed, a stranger's in its place
-        as_stranger("mv", str(mine), str(logs / "moved"))
+        mine.rename(logs / "moved")
         for generation in range(6):
             worker = mine / f"attempt_{generation}" / "1"
-            as_stranger("mkdir", "-p", "-m", "777", str(worker))
+            worker.mkdir(parents=True)
             for name in ("stdout.log", "stderr.log"):
-                as_stranger("ln", "-s", str(secret), str(worker / name))
+                (worker / name).symlink_to(secret)
+        for path in (mine, *mine.rglob("*")):
+            if path.is_dir() and not path.is_symlink():
+                path.chmod(0o777)
+            os.lchown(path, STRANGER, STRANGER)
         since = time.time()
         os.kill(launch.state()["workers"]["1"]["pid"], signal.SIGKILL)
         launch.wait_until(lambda: 1 in _starts_since(launch, since), what="worker 1 relaunched")

@@ -134,6 +134,9 @@ def test_the_machine_check_counts_standbys_and_their_zygotes(tmp_path, no_start)
         ("--master-port", "70000"),
         ("--master-port", "x"),
         ("--max-restarts", "1.5"),
+        ("--join-timeout", "-1"),
+        ("--join-timeout", "inf"),
+        ("--standby-join-timeout", "1e9"),
     ],
 )
 def test_every_number_is_range_checked_by_name(flag, value, tmp_path, no_start) -> None:

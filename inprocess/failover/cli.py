@@ -27,14 +27,18 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from ..ownership import distrust_chain
 from ..proctitle import set_title
-from ..records import EVENTS_FILE, RESTARTS_FILE
+from ..records import EVENTS_FILE, RECORDS_ENV, RESTARTS_FILE, records_distrust
 from ..security import JOB_SECRET_ENV, check_job_secret
 from ..userdir import user_dir
 from . import policy
 from .console import LOG_DIR_MODE, Console, StatusLine
 from .spec import (
+    DEFAULT_JOIN_TIMEOUT,
+    DEFAULT_STANDBY_JOIN_TIMEOUT,
     JOB_ID_PATTERN,
+    JOIN_TIMEOUT_RANGE,
     MAX_COUNT,
     MAX_JOB_ID,
     MAX_NODES,
@@ -225,6 +229,21 @@ def parser() -> argparse.ArgumentParser:
         f"worker at once); 0 turns them off (0..{MAX_STANDBY}, default 1)",
     )
     p.add_argument(
+        "--join-timeout",
+        type=_seconds(*JOIN_TIMEOUT_RANGE),
+        default=DEFAULT_JOIN_TIMEOUT,
+        help="seconds a freshly spawned worker of a Wrapper job has to join it before it "
+        "is replaced by a new process (a replacement that does not join either ends the "
+        f"job); 0: no deadline (default {DEFAULT_JOIN_TIMEOUT:g})",
+    )
+    p.add_argument(
+        "--standby-join-timeout",
+        type=_seconds(*JOIN_TIMEOUT_RANGE),
+        default=DEFAULT_STANDBY_JOIN_TIMEOUT,
+        help="the same for a warm standby that takes a worker's place (torch imported "
+        f"already); 0: no deadline (default {DEFAULT_STANDBY_JOIN_TIMEOUT:g})",
+    )
+    p.add_argument(
         "script", help="the training script (with -m: a module; with --no-python: a program)"
     )
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments of the script")
@@ -309,6 +328,8 @@ def main(argv: list[str] | None = None) -> int:
             tee=args.tee,
             local_ranks_filter=args.local_ranks_filter,
             standby=args.standby,
+            join_timeout=args.join_timeout,
+            standby_join_timeout=args.standby_join_timeout,
         )
     except SpecError as ex:
         return _error(_flag_names(str(ex)))
@@ -334,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
                 log_dir.mkdir(mode=LOG_DIR_MODE, parents=True)  # (nobody else writes)
             except OSError as ex:
                 raise StateError(f"{flag} {log_dir.parent}: {ex.strerror or ex}") from None
+            _check_chain(log_dir, flag)  # (the parents it made: mode by the umask)
     except (StateError, OSError) as ex:
         if lock is not None:
             lock.release()
@@ -531,6 +553,14 @@ def _check_launch_flags(args: argparse.Namespace) -> str | None:
         check_job_secret()
     except ValueError as ex:
         return str(ex)
+    records = os.environ.get(RECORDS_ENV)
+    if records and args.backend == "local":  # (a Ray node's path is that node's business)
+        why = records_distrust(records)
+        if why is not None:
+            return (
+                f"{RECORDS_ENV}={records}: {why}; unset it, or name a file of this user "
+                "in a place that only this user (or root) can change"
+            )
     local_only = [
         flag
         for flag, given in (
@@ -719,12 +749,15 @@ def _error(message: str) -> int:
 
 
 def _prepare_state_dir(state_dir: Path) -> None:
-    """Creates the state dir (mode 0700) or checks an existing one is ours and private."""
+    """Creates the state dir (mode 0700) or checks an existing one is ours and private,
+    in a chain of directories only this user and root can change (:func:`_check_chain`)."""
     if state_dir.exists() and not state_dir.is_dir():
         raise StateError(f"--state-dir {state_dir} is not a directory")
+    _check_chain(state_dir, "--state-dir")  # before anything is made there
     state_dir.parent.mkdir(parents=True, exist_ok=True)
     with contextlib.suppress(FileExistsError):
         state_dir.mkdir(mode=0o700)
+    _check_chain(state_dir, "--state-dir")  # (the parents it made: mode by the umask)
     try:
         check_private_dir(state_dir, "--state-dir")
     except StateError as ex:
@@ -747,6 +780,7 @@ def _check_log_dir(base: Path, flag: str | None) -> None:
     name = flag or "--state-dir"
     if flag is None and base.is_symlink():
         raise StateError(f"--state-dir {base.parent}: {base.name} is a symlink; remove it")
+    _check_chain(base, name)
     probe = base
     while not os.path.lexists(probe):
         probe = probe.parent
@@ -754,6 +788,22 @@ def _check_log_dir(base: Path, flag: str | None) -> None:
         raise StateError(f"{name} {base}: {probe} is not a directory")
     if not os.access(probe, os.W_OK | os.X_OK):
         raise StateError(f"{name} {base}: {probe} is not writable")
+
+
+def _check_chain(path: Path, flag: str) -> None:
+    """Refuses a place the job writes while it runs (its state, its logs) that another
+    user could swap for one of theirs (:func:`inprocess.ownership.distrust_chain`):
+    the job's processes, and torch's ``error.json`` in the workers, would then write
+    wherever that user chose.
+
+    Raises:
+        StateError: naming ``flag``, the path and the step another user controls.
+    """
+    why = distrust_chain(path)
+    if why is not None:
+        raise StateError(
+            f"{flag} {path}: {why}; choose a place that only this user (or root) can change"
+        )
 
 
 def _undo_start(state_dir: Path, state_file: str | None, made_dir: bool) -> None:

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..ownership import distrust
+from ..ownership import distrust, distrust_chain
 from ..records import printable
 from .spec import JobSpec
 from .state import StateError, StateStore, WorkerStatus
@@ -63,16 +63,22 @@ def make_log_dirs(spec: JobSpec, generation: int, worker: int) -> Path:
     """Creates (``LOG_DIR_MODE``) or checks ``worker``'s log directory and those
     between it and ``spec.log_dir``; returns it.
 
-    The log dir may lie in a directory another user can write, who could swap a
-    directory of ours for one of theirs (or a symlink) between two launches:
-    every level is checked with ``lstat`` (never followed) to be a directory of
-    this user that nobody else can write.
+    The directories above the log dir must be ones only this user or root may
+    change (:func:`~inprocess.ownership.distrust_chain`, also checked at the
+    launch): another user who could rename what is in them could swap a
+    directory of ours for one of theirs at any time, and what the worker itself
+    writes there (torch's ``error.json``) is opened by its path, following
+    symlinks, with no check of ours. Every level below is checked with ``lstat``
+    (never followed) to be a directory of this user that nobody else can write.
 
     Raises:
         PermissionError: naming the directory that is not ours, and why.
     """
     assert spec.log_dir is not None
     directory = Path(spec.log_dir)
+    why = distrust_chain(directory.parent)
+    if why is not None:
+        raise PermissionError(f"log directory {directory}: {why}")
     for part in (None, f"attempt_{generation}", str(worker)):
         if part is not None:
             directory = directory / part

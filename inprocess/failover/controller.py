@@ -7,8 +7,9 @@ One thread, one loop::
     loop:
         apply(decision): save the new state, then execute its actions
         events = the store server's death or hang (pidfd, /proc), failures the
-                 job reported in its store, process exits (pidfds), and a
-                 Wrapper job left with no live member
+                 job reported in its store, process exits (pidfds), a
+                 Wrapper job left with no live member, and workers that did
+                 not join the Wrapper job within their deadline
         decision = handle_event(state, event) for each event
         stop once the policy says so; exit with the job's exit code
 
@@ -63,7 +64,13 @@ from .policy import (
     WorkerReported,
 )
 from .processes import process_start_time
-from .runtime import controller_pid_path, die_with_parent, exit_now, signal_exit_code
+from .runtime import (
+    LAUNCHER_ENV,
+    controller_pid_path,
+    die_with_parent,
+    exit_now,
+    signal_exit_code,
+)
 from .standby import common_env
 from .state import JobState, Stage, StateStore, WorkerStatus
 from .store_server import SpareStoreServer, StoreServer, start_store_server
@@ -314,8 +321,12 @@ class Controller:
             self.start_generation()
         elif isinstance(action, RelaunchWorker):
             self.stop_workers([action.worker])
-            self.start_worker(action.worker)
-            self.event("worker_relaunch", action.worker)
+            self.start_worker(action.worker, fresh=action.fresh)
+            if action.fresh:
+                detail = "a fresh process: the one before did not join the job in time"
+                self.event("worker_relaunch", action.worker, detail=detail)
+            else:
+                self.event("worker_relaunch", action.worker)
         elif isinstance(action, RelaunchNode):
             log.warning(
                 "relaunching node %d: slot %d -> %d", action.node, action.from_slot, action.to_slot
@@ -393,6 +404,7 @@ class Controller:
                     exit_.exit_code,
                     exit_.signal,
                     machinery=exit_.machinery,
+                    gpu=self._workers_gpu(),
                 )
             )
             self.event(
@@ -408,11 +420,33 @@ class Controller:
                     for r in self.state.workers.values()
                 ),
             )
+        if snapshot is not None:
+            self._note_joined(snapshot)
         if snapshot is not None and not events:
             dead = self._no_live_member(snapshot)
             if dead is not None:
                 events.append(NoLiveMember(self.state.generation, dead))
+        if not events and snapshot is not None:  # (a job it cannot read: no verdict)
+            events += policy.overdue_joins(self.state, now=time.time())
         return events
+
+    def _note_joined(self, snapshot: dict[str, Any]) -> None:
+        """Records the workers whose latest incarnation the Wrapper job has seen: at
+        its initial barrier, asking to join, or as a member (their deadline is met)."""
+        seen: set[tuple[int, int]] = set()
+        members = snapshot["membership"].members if snapshot["membership"] else ()
+        for identity in (*members, *snapshot["join_requests"], *snapshot["arrivals"]):
+            with contextlib.suppress(ValueError):  # (an identity of no incarnation)
+                seen.add((initial_rank_of(identity), incarnation_of(identity)))
+        state, now = self.state, time.time()
+        for worker, record in sorted(self.state.workers.items()):
+            if (
+                record.status is WorkerStatus.RUNNING
+                and not record.joined
+                and (worker, record.incarnation) in seen
+            ):
+                state = policy.worker_joined(state, worker, record.incarnation, now=now)
+        self.commit(state)  # one save for all the workers seen joining (a launch's too)
 
     def _declare_dead(
         self,
@@ -447,7 +481,13 @@ class Controller:
             ):
                 continue  # stopped on purpose, or finished
             else:
-                ended = WorkerExited(worker, record.incarnation, exit_.exit_code, exit_.signal)
+                ended = WorkerExited(
+                    worker,
+                    record.incarnation,
+                    exit_.exit_code,
+                    exit_.signal,
+                    gpu=self._workers_gpu(),
+                )
                 how = f"its process {ended.describe()}"
             dead[(worker, record.incarnation)] = f"{how} (seen by the job controller)"
         if not dead:
@@ -489,6 +529,12 @@ class Controller:
                 events.append(NodeLost(node, slot, exit_.lost or "lost"))
         return events
 
+    def _workers_gpu(self) -> bool | None:
+        """Whether the workers have a GPU (``None``: the backend cannot tell): their exit
+        code 75 is a GPU fault only then."""
+        known = getattr(self.backend, "workers_gpu", None)
+        return known() if known is not None else None
+
     def _worker_of_pid(self, pid: int) -> int | None:
         for worker, record in self.state.workers.items():
             if record.pid == pid and record.status in (WorkerStatus.RUNNING, WorkerStatus.STOPPING):
@@ -510,6 +556,10 @@ class Controller:
         first_call = self._first_call
         reported = frozenset(self._reported)
         server = self.server
+        # the initial barrier's arrivals: only while a started worker is not seen yet
+        unjoined = any(
+            r.status is WorkerStatus.RUNNING and not r.joined for r in self.state.workers.values()
+        )
 
         def read() -> tuple[Any, dict[str, Any]]:
             client = self._client
@@ -532,6 +582,7 @@ class Controller:
                 "initial_done": protocol.initial_done(client, current),
                 "membership": protocol.membership(client, current),
                 "join_requests": protocol.join_requests(client, current),
+                "arrivals": protocol.initial_arrivals(client, current) if unjoined else [],
                 "terminated": [],
                 "fault_log": [],
             }
@@ -650,7 +701,7 @@ class Controller:
             with contextlib.suppress(ChildProcessError):
                 reaped, status = os.waitpid(pid, os.WNOHANG)
                 if reaped == pid:
-                    how = WorkerExited(0, 0, *_exit_of(status)).describe()
+                    how = WorkerExited(0, 0, *_exit_of(status), gpu=False).describe()
             self._forget_server()  # its pid may be reused from now on: never signal it
             return f"the store server (pid {pid}) {how}"
         if not _process_stopped(pid):
@@ -722,10 +773,12 @@ class Controller:
         if start is not None:
             server: StoreServer = start(self.spec.master_addr)
             return server
+        # a server of this machine: it ends with the launcher, however that ends
         return start_store_server(
             self.spec.master_addr,
             port=self.spec.master_port,
             spawn=getattr(self.backend, "spawn_module", None),
+            owner=os.environ.get(LAUNCHER_ENV),
         )
 
     def _keep_standbys(self) -> None:
@@ -755,9 +808,12 @@ class Controller:
             self._spare_server = SpareStoreServer(
                 self.spec.master_addr,
                 spawn=functools.partial(spawn, wait=0.0) if spawn is not None else None,
+                owner=os.environ.get(LAUNCHER_ENV),
             )
 
-    def start_worker(self, worker: int, batched: bool = False) -> None:
+    def start_worker(self, worker: int, batched: bool = False, fresh: bool = False) -> None:
+        """Starts the next incarnation of ``worker`` (``fresh``: a new process, never a
+        warm standby) and records it, with whether a standby took the place."""
         record = self.state.workers[worker]
         slot = self.state.node_slots[record.node]
         stdout, stderr, output_env = worker_output(self.spec, worker, self.state.generation)
@@ -770,11 +826,18 @@ class Controller:
             env={**self.worker_env(worker, record.incarnation + 1, slot), **output_env},
             stdout=stdout,
             stderr=stderr,
+            fresh=fresh,
         )
         pid, start_time = self.backend.start(launch)
+        warm = getattr(self.backend, "started_warm", None)
         self.commit(
             policy.worker_started(
-                self.state, worker, pid=pid, start_time=start_time, now=time.time()
+                self.state,
+                worker,
+                pid=pid,
+                start_time=start_time,
+                now=time.time(),
+                warm=bool(warm(pid)) if warm is not None else False,
             ),
             batched=batched,
         )
@@ -839,7 +902,9 @@ class Controller:
                 "worker %d (pid %d) ended while the controller was down", worker, record.pid
             )
             ended = self.backend.exit_of(record.pid)
-            event = WorkerExited(worker, record.incarnation, ended.exit_code, ended.signal)
+            event = WorkerExited(
+                worker, record.incarnation, ended.exit_code, ended.signal, gpu=self._workers_gpu()
+            )
             self.event(
                 "worker_exit",
                 worker,

@@ -64,6 +64,18 @@ Two job-level events end a generation that can no longer make progress:
   ``RestartAbort``, the job stops with that reason (its restart policy gave up
   and a cold restart would silently reset it); otherwise a cold restart if
   ``job_max_restarts`` allows, else stop.
+
+A started worker of a Wrapper-managed job must *join* it within its deadline
+(:class:`JoinOverdue`, found by :func:`overdue_joins`): arrive at the initial
+barrier, ask to join the running job, or be listed as a member; the controller
+reports what it sees with :func:`worker_joined`. A process that never gets
+there (a stopped standby, a script stuck before its wrapped call) would
+otherwise hold its worker's place forever, the job waiting for it. The deadline
+is set at the start (:func:`worker_started`): ``spec.join_timeout`` for a fresh
+spawn, the shorter ``spec.standby_join_timeout`` for a warm standby. An overdue
+worker is replaced by a fresh process (stopped on purpose, not counted as a
+failure: its code may never have run); a replacement that does not join in turn
+ends the job.
 """
 
 from __future__ import annotations
@@ -93,6 +105,7 @@ __all__ = [
     "Decision",
     "Event",
     "Ignore",
+    "JoinOverdue",
     "NoLiveMember",
     "NodeLost",
     "PolicyError",
@@ -108,11 +121,13 @@ __all__ = [
     "check_state",
     "handle_event",
     "new_job_state",
+    "overdue_joins",
     "recover",
     "request_stop",
     "set_wrapper_managed",
     "start_job",
     "stopped",
+    "worker_joined",
     "worker_started",
 ]
 
@@ -158,9 +173,14 @@ class WorkerExited:
     #: set (how) when it ended with a process of the job's machinery (its standby
     #: zygote, killed with it): a fault of the machinery, not counted as the worker's
     machinery: str | None = None
+    #: whether the process had a GPU (``None``: not known); only then does its
+    #: :data:`GPU_FAULT_EXIT_CODE` say that its GPU faulted
+    gpu: bool | None = None
 
     def __post_init__(self) -> None:
         _check_int("WorkerExited.worker", self.worker, 0)
+        if self.gpu is not None and not isinstance(self.gpu, bool):
+            raise PolicyError(f"WorkerExited.gpu must be True, False or None, got {self.gpu!r}")
         if self.machinery is not None and (
             not isinstance(self.machinery, str) or not self.machinery
         ):
@@ -185,8 +205,13 @@ class WorkerExited:
             except ValueError:
                 name = f"signal {self.signal}"
             return f"was killed by {name}"
-        if self.exit_code == GPU_FAULT_EXIT_CODE:
-            return f"exited with code {self.exit_code} (its GPU faulted)"
+        if self.exit_code == GPU_FAULT_EXIT_CODE and self.gpu is not False:
+            if self.gpu:
+                return f"exited with code {self.exit_code} (its GPU faulted)"
+            return (
+                f"exited with code {self.exit_code} (the code of a worker whose GPU "
+                "faulted, if it had one)"
+            )
         if self.exit_code is not None:
             return f"exited with code {self.exit_code}"
         return "ended with an unknown exit status"
@@ -265,7 +290,30 @@ class NodeLost:
             raise PolicyError(f"NodeLost.reason must be a non-empty string, got {self.reason!r}")
 
 
-Event = WorkerExited | WorkerReported | StoreLost | NoLiveMember | NodeLost
+@dataclasses.dataclass(frozen=True)
+class JoinOverdue:
+    """``worker``'s ``incarnation`` has not joined the Wrapper job ``waited`` seconds
+    after its start, past its deadline (see :func:`overdue_joins`)."""
+
+    worker: int
+    incarnation: int
+    waited: float
+
+    def __post_init__(self) -> None:
+        _check_int("JoinOverdue.worker", self.worker, 0)
+        _check_int("JoinOverdue.incarnation", self.incarnation, 0)
+        if (
+            isinstance(self.waited, bool)
+            or not isinstance(self.waited, int | float)
+            or not math.isfinite(self.waited)
+            or self.waited < 0
+        ):
+            raise PolicyError(
+                f"JoinOverdue.waited must be a finite number of seconds >= 0, got {self.waited!r}"
+            )
+
+
+Event = WorkerExited | WorkerReported | StoreLost | NoLiveMember | NodeLost | JoinOverdue
 
 
 # -- actions: what the controller must do next ------------------------------
@@ -288,11 +336,14 @@ class RelaunchWorker:
 
     Make sure the process of its latest incarnation is gone (it may still be
     alive after a self-report: check pid and ``pid_start_time``, kill it), then
-    start a new incarnation on ``slot``; it rejoins the running job.
+    start a new incarnation on ``slot``; it rejoins the running job. ``fresh``:
+    a newly spawned process, never a warm standby (the one it replaces was one
+    that never joined).
     """
 
     worker: int
     slot: int
+    fresh: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -511,9 +562,16 @@ def set_wrapper_managed(state: JobState, managed: bool, *, now: float) -> JobSta
 
 
 def worker_started(
-    state: JobState, worker: int, *, pid: int, start_time: float, now: float
+    state: JobState,
+    worker: int,
+    *,
+    pid: int,
+    start_time: float,
+    now: float,
+    warm: bool = False,
 ) -> JobState:
-    """Record a new incarnation of ``worker``: process ``pid`` started at ``start_time``.
+    """Record a new incarnation of ``worker``: process ``pid`` started at ``start_time``
+    (``warm``: a warm standby took its place; its deadline to join is the shorter one).
 
     Allowed in READY and RUNNING, for a worker not recorded as running. Also
     finishes what the start completes: a node relaunch ends when all its
@@ -542,6 +600,8 @@ def worker_started(
         or not math.isfinite(start_time)
     ):
         raise PolicyError(f"start_time must be a finite number, got {start_time!r}")
+    if not isinstance(warm, bool):
+        raise PolicyError(f"warm must be True or False, got {warm!r}")
 
     new = _changed(state, now)
     rec = new.workers[worker]
@@ -553,9 +613,13 @@ def worker_started(
     rec.signal = None
     rec.generation = new.generation
     rec.slot = new.node_slots[rec.node]
+    rec.started_at = float(now)
+    rec.join_timeout = new.spec.standby_join_timeout if warm else new.spec.join_timeout
+    rec.joined = False
     new.log_event(
         "worker_start",
-        f"worker {worker} incarnation {rec.incarnation} started on slot {rec.slot} (pid {pid})",
+        f"worker {worker} incarnation {rec.incarnation} started on slot {rec.slot} (pid {pid}"
+        f"{', a warm standby' if warm else ''})",
         now,
     )
 
@@ -577,6 +641,84 @@ def worker_started(
         new.log_event("running", f"all workers of generation {new.generation} started", now)
         logger.info("job %s: generation %d running", new.job_id, new.generation)
     return new
+
+
+def worker_joined(state: JobState, worker: int, incarnation: int, *, now: float) -> JobState:
+    """Record that ``worker``'s ``incarnation`` was seen in the Wrapper job (at its
+    initial barrier, asking to join, or as a member): its deadline to join is met.
+
+    The same state comes back when there is nothing to record (joined already,
+    an older incarnation, a worker not running).
+    """
+    record = state.workers.get(worker)
+    if (
+        record is None
+        or record.incarnation != incarnation
+        or record.status is not WorkerStatus.RUNNING
+        or record.joined
+    ):
+        return state
+    new = _changed(state, now)
+    rec = new.workers[worker]
+    rec.joined = True
+    rec.join_misses = 0
+    waited = f" {now - rec.started_at:.1f}s after its start" if rec.started_at is not None else ""
+    new.log_event("worker_joined", f"worker {worker} incarnation {incarnation} joined{waited}", now)
+    return new
+
+
+def overdue_joins(state: JobState, *, now: float) -> list[JoinOverdue]:
+    """The running workers of a Wrapper-managed job that have not joined it within
+    their deadline (``join_timeout`` seconds after ``started_at``), in worker order.
+
+    Nothing while the job is not RUNNING or not known to run under the Wrapper
+    (a plain script never joins anything).
+    """
+    if isinstance(now, bool) or not isinstance(now, int | float) or not math.isfinite(now):
+        raise PolicyError(f"now must be a finite number of seconds, got {now!r}")
+    if state.stage is not Stage.RUNNING or state.wrapper_managed is not True:
+        return []
+    overdue = []
+    for w, r in sorted(state.workers.items()):
+        if r.status is not WorkerStatus.RUNNING or r.joined or r.started_at is None:
+            continue
+        if r.join_timeout and now - r.started_at > r.join_timeout:
+            overdue.append(JoinOverdue(w, r.incarnation, max(0.0, now - r.started_at)))
+    return overdue
+
+
+def _join_overdue(state: JobState, event: JoinOverdue, now: float) -> Decision:
+    """A worker that did not join in time: replaced by a fresh process, once in a row."""
+    w, inc = event.worker, event.incarnation
+    what = f"worker {w} incarnation {inc} did not join the job {event.waited:.0f}s after its start"
+    record = state.workers.get(w)
+    if state.stage is not Stage.RUNNING:
+        return _ignore(state, f"{what} while the job is {state.stage.value}: ignored")
+    if record is None or record.incarnation != inc:
+        return _ignore(state, f"{what}: stale or unknown: ignored")
+    if record.status is not WorkerStatus.RUNNING or record.joined:
+        return _ignore(state, f"{what}: it is {record.status.value}, joined={record.joined}")
+    if state.wrapper_managed is not True:
+        return _ignore(state, f"{what}: the job does not run under the Wrapper: ignored")
+    new = _changed(state, now)
+    rec = new.workers[w]
+    limit = f"join deadline {rec.join_timeout:g}s" if rec.join_timeout else "no deadline"
+    if rec.join_misses >= 1:
+        rec.join_misses += 1
+        return _stop(
+            new,
+            FAILURE_EXIT_CODE,
+            f"{what} ({limit}), and it replaced an incarnation that did not join either: "
+            "check its log for what it waits on before the wrapped call",
+            now,
+        )
+    rec.join_misses += 1
+    rec.status = WorkerStatus.STOPPING  # killed on purpose: its exit is no failure
+    slot = new.node_slots[rec.node]
+    text = f"{what} ({limit}): replacing it with a fresh process on slot {slot}"
+    new.log_event("worker_join_overdue", text, now)
+    logger.warning("job %s: %s", new.job_id, text)
+    return Decision(new, [RelaunchWorker(w, slot, fresh=True)])
 
 
 # -- the failover decision --------------------------------------------------
@@ -671,10 +813,12 @@ def handle_event(state: JobState, event: Event, *, now: float) -> Decision:
         return _generation_lost(state, event, now)
     if isinstance(event, NodeLost):
         return _node_lost(state, event, now)
+    if isinstance(event, JoinOverdue):
+        return _join_overdue(state, event, now)
     if not isinstance(event, WorkerExited | WorkerReported):
         raise PolicyError(
-            "event must be WorkerExited, WorkerReported, StoreLost, NoLiveMember or NodeLost, "
-            f"got {type(event).__name__}"
+            "event must be WorkerExited, WorkerReported, StoreLost, NoLiveMember, NodeLost "
+            f"or JoinOverdue, got {type(event).__name__}"
         )
     w, inc = event.worker, event.incarnation
     what = f"worker {w} incarnation {inc} {event.describe()}"
@@ -897,8 +1041,11 @@ def recover(state: JobState, *, now: float) -> Decision:
     pending = (WorkerStatus.PENDING, WorkerStatus.FAILED, WorkerStatus.STOPPING)
     actions: list[Action] = [Resume()]
     for w in sorted(new.workers):
-        if new.workers[w].status in pending:
-            actions.append(RelaunchWorker(w, new.node_slots[new.workers[w].node]))
+        r = new.workers[w]
+        if r.status in pending:
+            # stopped because it never joined: its replacement is a fresh process
+            fresh = r.status is WorkerStatus.STOPPING and r.join_misses > 0 and not r.joined
+            actions.append(RelaunchWorker(w, new.node_slots[r.node], fresh=fresh))
     logger.info(
         "job %s: resuming generation %d (%d worker relaunch(es) pending)",
         new.job_id,
@@ -932,6 +1079,8 @@ def check_state(state: JobState) -> list[str]:
         started = r.status not in (WorkerStatus.PENDING,)
         if started and (r.incarnation < 0 or r.pid is None):
             add(f"worker {w} is {r.status.value} but was never started")
+        if r.join_misses < 0 or (r.joined and r.incarnation < 0):
+            add(f"worker {w} has joined={r.joined}, join_misses={r.join_misses}")
 
     if set(state.node_slots) != nodes:
         add(f"node_slots covers nodes {sorted(state.node_slots)}, expected 0..{spec.nnodes - 1}")

@@ -1,8 +1,8 @@
 """What the supervisor, the controller and the store server share.
 
 The controller's pid file, the exit code of a stop by signal, the kernel's
-parent-death signal and a quick exit. These processes import this module; it
-imports none of them (no import circle between them).
+parent-death signal, the launcher's identity and a quick exit. These processes
+import this module; it imports none of them (no import circle between them).
 """
 
 from __future__ import annotations
@@ -11,17 +11,41 @@ import ctypes
 import os
 from pathlib import Path
 
+from .. import procfs
 from .._exit import exit_now
 
 __all__ = [
+    "LAUNCHER_ENV",
     "controller_pid_path",
     "die_with_parent",
     "exit_now",
+    "launcher_gone",
+    "launcher_identity",
     "libc",
     "signal_exit_code",
 ]
 
 _PR_SET_PDEATHSIG = 1
+#: environment variable naming the job's launcher (``inprocess-run``, the
+#: supervisor) as ``<pid>:<start time>``, set by it for every process of the job:
+#: with its start time, a pid reused after the launcher died never passes for it
+LAUNCHER_ENV = "INPROCESS_LAUNCHER"
+
+
+def launcher_identity() -> str:
+    """This process's :data:`LAUNCHER_ENV` value (the launcher sets it for itself)."""
+    return f"{os.getpid()}:{procfs.process_start_time(os.getpid())}"
+
+
+def launcher_gone(identity: str) -> bool:
+    """Whether the process that ``identity`` (a :data:`LAUNCHER_ENV` value) names has
+    ended (a pid now of another process counts as ended).
+
+    Raises:
+        ValueError: ``identity`` is not ``<pid>:<start time>``.
+    """
+    pid, _, start = identity.partition(":")
+    return procfs.process_start_time(int(pid)) != float(start)
 
 
 def libc() -> ctypes.CDLL:

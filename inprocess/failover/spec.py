@@ -22,7 +22,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 __all__ = [
+    "DEFAULT_JOIN_TIMEOUT",
+    "DEFAULT_STANDBY_JOIN_TIMEOUT",
     "JOB_ID_PATTERN",
+    "JOIN_TIMEOUT_RANGE",
     "MAX_COUNT",
     "MAX_JOB_ID",
     "MAX_NODES",
@@ -52,6 +55,14 @@ MAX_COUNT = 1_000_000
 #: allowed seconds between two polls of the workers: from a busy loop's worth to a
 #: minute (beyond that a worker's death goes unseen for longer than any timeout)
 MONITOR_INTERVAL_RANGE = (0.001, 60.0)
+#: allowed seconds a started worker has to join the job (0: no deadline): up to a day
+JOIN_TIMEOUT_RANGE = (0.0, 86400.0)
+#: default deadline of a freshly spawned worker: its ``import torch`` alone can take
+#: 30 s and more on a loaded machine, then the script runs up to its wrapped call
+DEFAULT_JOIN_TIMEOUT = 300.0
+#: default deadline of a warm standby made a worker: its imports are done, only the
+#: script's own code runs before it joins
+DEFAULT_STANDBY_JOIN_TIMEOUT = 120.0
 #: how ``entrypoint[0]`` is run: ``python SCRIPT``, ``python -m MODULE``, or as a program
 RUN_AS = ("script", "module", "program")
 #: torchrun's stream selectors (``--redirects`` / ``--tee``): none, stdout, stderr, both
@@ -62,15 +73,16 @@ class SpecError(ValueError):
     """A job spec field has an invalid type or value; the message names the field."""
 
 
-def parse_std(name: str, value: str) -> dict[int | None, int]:
+def parse_std(name: str, value: str, nproc: int | None = None) -> dict[int | None, int]:
     """torchrun's ``--redirects`` / ``--tee`` value: ``"3"`` for every local rank, or a
-    per-local-rank mapping ``"0:1,1:2"`` (ranks not named: 0).
+    per-local-rank mapping ``"0:1,1:2"`` (ranks not named: 0), each local rank named
+    at most once and, with ``nproc`` (workers per node), below it.
 
     Returns ``{None: std}`` or ``{local_rank: std, ...}``; ``std`` is 0 (none),
     1 (stdout), 2 (stderr) or 3 (both).
 
     Raises:
-        SpecError: naming ``name`` and the allowed forms.
+        SpecError: naming ``name``, the value and the allowed forms or local ranks.
     """
     error = SpecError(
         f"JobSpec.{name} must be 0 (none), 1 (stdout), 2 (stderr) or 3 (both), or a "
@@ -88,12 +100,29 @@ def parse_std(name: str, value: str) -> dict[int | None, int]:
                 rank, _, std = item.partition(":")
                 if int(rank) < 0:
                     raise ValueError(rank)
+                if int(rank) in result:
+                    raise SpecError(
+                        f"JobSpec.{name} names local rank {int(rank)} more than once in "
+                        f"{value!r}: give each local rank at most once"
+                    )
                 result[int(rank)] = int(std)
-    except ValueError:
+    except ValueError as ex:
+        if isinstance(ex, SpecError):
+            raise
         raise error from None
     if any(std not in STD_VALUES for std in result.values()):
         raise error
+    wrong = [r for r in result if r is not None and nproc is not None and r >= nproc]
+    if wrong:
+        raise SpecError(
+            f"JobSpec.{name} names local rank {wrong[0]} in {value!r}, but a node has "
+            f"{_workers(nproc)}: local ranks are 0..{nproc - 1}"
+        )
     return result
+
+
+def _workers(nproc: int) -> str:
+    return f"{nproc} worker" + ("" if nproc == 1 else "s")
 
 
 def _check_int(name: str, value: Any, minimum: int, maximum: int) -> int:
@@ -144,6 +173,10 @@ class JobSpec:
             (``None``: all); the others' output goes to their files or nowhere.
         standby: warm standby processes kept per node slot (>= 0; 0: none), see
             :mod:`inprocess.failover.standby`.
+        join_timeout: seconds a freshly spawned worker of a Wrapper job has to join
+            it (arrive at its initial barrier or ask to join the running job)
+            before it is replaced by a fresh process; 0: no deadline.
+        standby_join_timeout: the same for a warm standby that takes a worker's place.
     """
 
     job_id: str
@@ -165,6 +198,8 @@ class JobSpec:
     tee: str = "0"
     local_ranks_filter: tuple[int, ...] | None = None
     standby: int = 1
+    join_timeout: float = DEFAULT_JOIN_TIMEOUT
+    standby_join_timeout: float = DEFAULT_STANDBY_JOIN_TIMEOUT
 
     def __post_init__(self) -> None:
         self.validate()
@@ -245,6 +280,20 @@ class JobSpec:
                 f"got {interval!r}"
             )
         object.__setattr__(self, "monitor_interval", float(interval))
+        for name in ("join_timeout", "standby_join_timeout"):
+            value = getattr(self, name)
+            low, high = JOIN_TIMEOUT_RANGE
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not math.isfinite(value)
+                or not low <= value <= high
+            ):
+                raise SpecError(
+                    f"JobSpec.{name} must be a number of seconds in {low:g}..{high:g} "
+                    f"(0: no deadline), got {value!r}"
+                )
+            object.__setattr__(self, name, float(value))
 
         if self.run_as not in RUN_AS:
             raise SpecError(
@@ -260,7 +309,8 @@ class JobSpec:
             raise SpecError(f"JobSpec.log_dir must be an absolute path or None, got {log_dir!r}")
         object.__setattr__(self, "log_dir", log_dir)
         for name in ("redirects", "tee"):
-            if any(parse_std(name, getattr(self, name)).values()) and log_dir is None:
+            std = parse_std(name, getattr(self, name), self.nproc_per_node)
+            if any(std.values()) and log_dir is None:
                 raise SpecError(f"JobSpec.{name} writes log files: it needs JobSpec.log_dir")
         ranks = self.local_ranks_filter
         if ranks is not None:
@@ -274,7 +324,15 @@ class JobSpec:
                     "JobSpec.local_ranks_filter must be None or a non-empty list of local "
                     f"ranks (integers >= 0), got {ranks!r}"
                 )
-            object.__setattr__(self, "local_ranks_filter", tuple(sorted(set(ranks))))
+            nproc = self.nproc_per_node
+            wrong = [r for r in ranks if r >= nproc]
+            if wrong or len(set(ranks)) != len(ranks):
+                shown = ",".join(map(str, ranks))
+                raise SpecError(
+                    f"JobSpec.local_ranks_filter must name local ranks in 0..{nproc - 1} (a "
+                    f"node has {_workers(nproc)}), each at most once, got {shown!r}"
+                )
+            object.__setattr__(self, "local_ranks_filter", tuple(sorted(ranks)))
 
     # -- worker command and output -----------------------------------------
 

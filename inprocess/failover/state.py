@@ -161,6 +161,14 @@ class WorkerRecord:
         exit_code: exit code of the latest incarnation once it ended, if known.
         signal: signal that ended it, if known.
         generation: job generation the latest incarnation was started in.
+        started_at: when the latest incarnation was started (the policy's ``now``).
+        join_timeout: seconds it has to join the Wrapper job from ``started_at``
+            before it is replaced (``None`` or 0: no deadline); set when it was
+            started, shorter for a warm standby than for a fresh spawn.
+        joined: whether the latest incarnation was seen in the Wrapper job (at its
+            initial barrier, asking to join, or as a member).
+        join_misses: incarnations in a row, up to the latest, replaced because
+            they never joined (0 once one joins).
     """
 
     node: int
@@ -172,6 +180,10 @@ class WorkerRecord:
     exit_code: int | None = None
     signal: int | None = None
     generation: int = 0
+    started_at: float | None = None
+    join_timeout: float | None = None
+    joined: bool = False
+    join_misses: int = 0
 
 
 @dataclasses.dataclass
@@ -322,6 +334,11 @@ class _Reader:
             raise self.fail(f"field {what} must be finite, got {value!r}")
         return float(value)
 
+    def bool_(self, value: Any, what: str) -> bool:
+        if not isinstance(value, bool):
+            raise self.fail(f"field {what} must be true or false, got {value!r}")
+        return value
+
     def str_(self, value: Any, what: str, nullable=False) -> str | None:
         if value is None and nullable:
             return None
@@ -379,6 +396,10 @@ class _Reader:
             exit_code=self.int_(get("exit_code"), f"{what}.exit_code", nullable=True),
             signal=self.int_(get("signal"), f"{what}.signal", 1, nullable=True),
             generation=self.int_(get("generation"), f"{what}.generation", 0),
+            started_at=self.float_(get("started_at"), f"{what}.started_at", nullable=True),
+            join_timeout=self.float_(get("join_timeout"), f"{what}.join_timeout", nullable=True),
+            joined=self.bool_(get("joined"), f"{what}.joined"),
+            join_misses=self.int_(get("join_misses"), f"{what}.join_misses", 0),
         )
 
     def event(self, value: Any, what: str) -> dict[str, Any]:

@@ -20,6 +20,14 @@ Such a server runs as ``... HOST READY_FD 0 HOLD_FD PARENT_PID``: it dies with
 its parent (``PR_SET_PDEATHSIG``, and EOF on ``HOLD_FD``) until the parent
 takes it into use (``go`` on ``HOLD_FD``; ``keep`` keeps the tie, for a host
 whose servers must die with it), so a spare never outlives a crashed controller.
+
+A server in use outlives a controller crash, so its parent's death cannot end
+it; it ends with the job's launcher instead. The controller names the launcher
+in :data:`OWNER_ENV` (``<pid>:<start time>``), and the server, polling, exits
+:data:`OWNER_GRACE` seconds after that process is gone, first ending what else
+is left of the run: however the launcher ended, SIGKILL of its whole process
+group and of its guard included (a server left behind holds its port and its
+memory until someone kills it by hand).
 """
 
 from __future__ import annotations
@@ -36,7 +44,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import procfs
-from .runtime import exit_now
+from .runtime import exit_now, launcher_gone
+
+#: environment variable naming the process a store server ends with (``<pid>:<start
+#: time>``, see :data:`~inprocess.failover.runtime.LAUNCHER_ENV`); set only by the
+#: one who starts it (never inherited), unset: it ends when stopped
+OWNER_ENV = "INPROCESS_STORE_OWNER"
+#: seconds a store server outlives its owner: longer than the launcher's guard takes
+#: to let the controller stop the job in order and then end what is left
+#: (``GUARD_GRACE`` plus its kill), so that an orderly end stays theirs
+OWNER_GRACE = 20.0
+#: seconds between two looks at the owner
+OWNER_POLL = 0.5
 
 
 @dataclass
@@ -91,14 +110,16 @@ def start_store_server(
     preexec_fn: Callable[[], None] | None = None,
     port: int = 0,
     spawn: Spawn | None = None,
+    owner: str | None = None,
 ) -> StoreServer:
     """Starts a store server and returns once it accepts connections.
 
     ``preexec_fn`` runs in the child before the server starts (e.g. to tie its
     life to its parent's). ``port``: the port to bind (0: a free one).
-    ``spawn``: how to start it (default: a new interpreter)."""
+    ``spawn``: how to start it (default: a new interpreter). ``owner``: the
+    process it ends with (:data:`OWNER_ENV`)."""
     ready_r, ready_w = os.pipe()
-    env = _server_env()
+    env = _server_env(owner)
     argv = [sys.executable, "-m", "inprocess.failover.store_server", host, str(ready_w), str(port)]
     try:
         process = (spawn or _spawner(preexec_fn))(argv, env, (ready_w,))
@@ -127,6 +148,7 @@ class SpareStoreServer:
         host: str,
         preexec_fn: Callable[[], None] | None = None,
         spawn: Spawn | None = None,
+        owner: str | None = None,
     ) -> None:
         self.host = host
         ready_r, ready_w = os.pipe()
@@ -143,7 +165,7 @@ class SpareStoreServer:
         ]
         try:
             spawn = spawn or _spawner(preexec_fn)
-            self.process = spawn(argv, _server_env(), (ready_w, hold_r))
+            self.process = spawn(argv, _server_env(owner), (ready_w, hold_r))
         except BaseException:
             os.close(ready_r)
             os.close(self._hold)
@@ -198,8 +220,11 @@ def _spawner(preexec_fn: Callable[[], None] | None) -> Spawn:
     return spawn
 
 
-def _server_env() -> dict[str, str]:
+def _server_env(owner: str | None) -> dict[str, str]:
     env = dict(os.environ)
+    env.pop(OWNER_ENV, None)  # (another server's, inherited: never ours)
+    if owner is not None:
+        env[OWNER_ENV] = owner
     # torch's store server resolves the name of every client that connects, for
     # its logs; with an unreachable DNS server that stalls the whole server for
     # the resolver's timeout (5 s by default). Bound it, unless the user chose.
@@ -273,10 +298,40 @@ def main() -> int:
             return 0
         if word.startswith(b"go"):
             ctypes.CDLL(None, use_errno=True).prctl(1, 0, 0, 0, 0)  # outlive a controller crash
+    owner = os.environ.get(OWNER_ENV)
+    try:
+        if owner is not None:
+            launcher_gone(owner)
+    except ValueError:
+        owner = None  # (not one we set: nothing to watch)
+    gone_since: float | None = None
+    checked = 0.0
     while not stop:  # (signal.pause() could miss a SIGTERM arriving before it)
         time.sleep(0.1)
+        now = time.monotonic()
+        if owner is None or now - checked < OWNER_POLL:
+            continue
+        checked = now
+        if gone_since is None and launcher_gone(owner):
+            gone_since = now
+        if gone_since is not None and now - gone_since >= OWNER_GRACE:
+            # The job's launcher is gone and nobody stopped us: its guard and
+            # controller are gone too. What else is left of this run (workers
+            # of a script without the Wrapper) ends now, while we still serve.
+            _end_run()
+            break
     del store
     return 0
+
+
+def _end_run() -> None:
+    """Ends every other process of this run of the job (found by its run token,
+    never by name: nothing of another run or user is touched)."""
+    from .supervisor import RUN_TOKEN_ENV, end_processes, run_processes
+
+    token = os.environ.get(RUN_TOKEN_ENV)
+    if token:
+        end_processes(run_processes(token), grace=3.0)
 
 
 if __name__ == "__main__":

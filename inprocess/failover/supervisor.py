@@ -32,7 +32,14 @@ from .. import records as _records
 from ..ownership import WRITABLE_BY_OTHERS, distrust
 from . import policy
 from .backends import DEFAULT_BACKEND, Backend, create_backend
-from .runtime import controller_pid_path, die_with_parent, libc, signal_exit_code
+from .runtime import (
+    LAUNCHER_ENV,
+    controller_pid_path,
+    die_with_parent,
+    launcher_identity,
+    libc,
+    signal_exit_code,
+)
 from .state import JobState, Stage, StateError, StateStore
 
 __all__ = ["Supervisor", "die_with_parent", "record_end"]
@@ -149,6 +156,10 @@ class Supervisor:
       closes it and the guard ends the job;
     * the controller gets SIGUSR2 from the kernel when this process dies
       (``PR_SET_PDEATHSIG``) and stops the job in order;
+    * the job's store server watches this process (``INPROCESS_LAUNCHER``: pid
+      and start time) and, should the guard be gone too, ends what is left of
+      the run, then itself, soon after this process died
+      (:mod:`inprocess.failover.store_server`);
     * cleanup only touches processes carrying this run's token.
     """
 
@@ -178,6 +189,8 @@ class Supervisor:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, self._forward)
         os.environ[SUPERVISOR_PID_ENV] = str(os.getpid())
+        # (what the job's store server watches: it ends with us, however we end)
+        os.environ[LAUNCHER_ENV] = launcher_identity()
         self._start_guard()
         restarts = 0
         try:

@@ -322,6 +322,7 @@ class RendezvousMixin:
         arrange: Callable[[list[str]], str] | None = None,
         expand: Callable[[str], Sequence[str]] = P.split_identities,
         claim: str | None = None,
+        supersede: Callable[[list[str]], list[str]] | None = None,
     ) -> Sequence[str]:
         """A barrier of ``count`` ranks whose identities are not known in advance.
 
@@ -335,7 +336,10 @@ class RendezvousMixin:
         processes that arrive with one identity (a misconfigured rank) then
         count twice, and ``arrange`` sees the identity twice and can refuse,
         where their one record would count once and the barrier wait for a
-        rank that never comes.
+        rank that never comes. With ``supersede``, only the arrivals it keeps
+        count (e.g. :func:`inprocess.protocol.latest_incarnations`: a
+        relaunched process replaces its predecessor's arrival); the barrier
+        completes once ``count`` of them are there.
         """
         done_key = P.done_key(name)
         if not P.valid_name(identity):
@@ -349,6 +353,11 @@ class RendezvousMixin:
             if claim is not None:
                 entries = [entry.partition("=")[0] for entry in entries]
             arrived = [i for i in entries if P.valid_name(i)]
+            if supersede is not None:
+                # Invariant: the counter counts every arrival, superseded ones
+                # too, so it may pass ``count`` before the barrier is full; each
+                # arrival from then on reads the list again until it is.
+                arrived = supersede(arrived)
             if len(arrived) > count:
                 raise BarrierOverflow(f"barrier {name!r}: {len(arrived)} arrivals for {count}")
             if len(arrived) == count:

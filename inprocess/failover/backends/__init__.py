@@ -43,6 +43,9 @@ Optional, for an engine that sees machines come and go:
   them), which ``start`` turns into workers of that slot
   (:mod:`inprocess.failover.standby`). ``close`` ends them. Called only with
   ``--standby`` > 0.
+* ``workers_gpu() -> bool``: whether its workers have a GPU, so that a worker's
+  exit code 75 is reported as a GPU fault only where there was one (without
+  it the controller does not claim either).
 
 A backend is built by :func:`create_backend` from its name and the job's state
 directory (where it may keep files that outlive a controller). The methods are
@@ -79,6 +82,8 @@ class WorkerLaunch:
     #: files its stdout / stderr are appended to (``None``: inherited, the console)
     stdout: str | None = None
     stderr: str | None = None
+    #: a newly spawned process, never a warm standby (one in its place never joined)
+    fresh: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,11 +22,12 @@ import errno
 import json
 import logging
 import os
+import re
 import select
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -103,17 +104,22 @@ class LocalBackend:
         self._pidfds: dict[int, int] = {}
         self._poller = select.poll()
         self.standbys = StandbyPool(self._spawn_standby, die_with_parent)
+        self._gpu: bool | None = None  # (see workers_gpu)
+        #: workers made from a warm standby, until their exit is collected
+        self._warm: set[int] = set()
 
     def start(self, launch: WorkerLaunch) -> tuple[int, float]:
         with self._stdio(launch) as stdio:
             process = None
             with _stdio_fds(stdio) as fds:
-                if fds is not None:
+                if fds is not None and not launch.fresh:
                     process = self.standbys.take(
                         launch.slot, launch.argv, launch.env, fds, wait=self.zygote_wait
                     )
             if process is None:
                 process = self._spawn(list(launch.argv), launch.env, **stdio)
+            else:
+                self._warm.add(process.pid)
         self._children[process.pid] = process
         # a forked worker's pidfd is the zygote's, opened at the fork: the worker may
         # have ended, and its zygote reaped it, already
@@ -186,10 +192,21 @@ class LocalBackend:
                 return child
         return self._spawn(argv, env, pass_fds, stdin=subprocess.DEVNULL)
 
+    def workers_gpu(self) -> bool:
+        """Whether the workers started here have a GPU (:func:`gpu_visible`, with this
+        process's environment, which theirs extends)."""
+        if self._gpu is None:
+            self._gpu = gpu_visible(os.environ)
+        return self._gpu
+
     def keep_standbys(self, slot: int, count: int, env: dict[str, str]) -> None:
         """Keeps ``count`` warm standbys for the workers of ``slot``, spawned with
         ``env`` (the workers' common environment); 0 ends those it has."""
         self.standbys.keep(slot, count, env)
+
+    def started_warm(self, pid: int) -> bool:
+        """Whether the worker ``pid`` that :meth:`start` returned is a warm standby."""
+        return pid in self._warm
 
     def running(self, pid: int, start_time: float | None) -> bool:
         return process_start_time(pid) == start_time
@@ -212,6 +229,9 @@ class LocalBackend:
         live = [pid for pid in pids if pid in self._pidfds]
         for pid in live:
             _signal_group(pid, signal.SIGTERM)
+            # a stopped process (SIGSTOP: a standby that never joined, say) acts on
+            # its SIGTERM once continued, not after the grace
+            _signal_group(pid, signal.SIGCONT)
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline and any(self._running(pid) for pid in live):
             time.sleep(0.01)
@@ -245,6 +265,7 @@ class LocalBackend:
         fd = self._pidfds.pop(pid)
         self._poller.unregister(fd)
         os.close(fd)
+        self._warm.discard(pid)
         child = self._children.pop(pid, None)
         if child is not None:
             code = child.wait()
@@ -291,6 +312,23 @@ class LocalBackend:
             if isinstance(child, ZygoteChild):
                 child.close()
         self._children.clear()
+        self._warm.clear()
+
+
+def gpu_visible(env: Mapping[str, str]) -> bool:
+    """Whether a process started on this machine with ``env`` sees a GPU: one of the
+    machine's GPU device files exists (NVIDIA's, or AMD's for ROCm), and
+    ``CUDA_VISIBLE_DEVICES`` / ``HIP_VISIBLE_DEVICES`` does not hide them all (empty,
+    or ``-1`` first: torch sees none then)."""
+    for name in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES"):
+        visible = env.get(name)
+        if visible is not None and visible.split(",")[0].strip() in ("", "-1"):
+            return False
+    try:
+        devices = os.listdir("/dev")
+    except OSError:
+        return False
+    return "kfd" in devices or any(re.fullmatch(r"nvidia\d+", d) for d in devices)
 
 
 @contextlib.contextmanager

@@ -162,6 +162,7 @@ class NodeAgent:
                 slot=launch.slot,
                 argv=launch.argv,
                 env=full_env,
+                fresh=launch.fresh,
             )
         )
         self._started[pid] = start_time
@@ -466,7 +467,13 @@ class RayBackend:
     def start(self, launch: WorkerLaunch) -> tuple[int, float]:
         env = self._job_env(launch.env)
         bare = WorkerLaunch(
-            launch.worker, launch.incarnation, launch.node, launch.slot, launch.argv, {}
+            launch.worker,
+            launch.incarnation,
+            launch.node,
+            launch.slot,
+            launch.argv,
+            {},
+            fresh=launch.fresh,
         )
         try:
             handle = self._agent(launch.slot)
