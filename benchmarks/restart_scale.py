@@ -43,6 +43,16 @@ run in parallel across a real job's hosts. All three are less the harness's
 own release/finish keys, measured by an empty round. ``timeline_s``: when the
 ranks of the first restart had classified the fault, left the termination
 barrier and left the iteration barrier (first, median, last, from the release).
+``server_connections`` and ``server_fds``: the most client connections the
+server held at once (established TCP connections to its port, sampled every
+0.5 s from before the first rank connects to after the last round) and the
+most descriptors it had open; ``connections_per_rank`` the first over N
+(``server_cpu_us_per_rank``: the CPU over N). Each simulated rank holds its
+own client and, once it waited at a rendezvous, the connection its thread
+waits on (:mod:`inprocess.quiet_wait`); each node's relay two more, each
+relay host one it appends with; the harness two (its control client and the
+server's own). With ``--steady``, ``connections_per_rank`` is the library's
+alone: less the harness's two and the client each rank's function opens.
 
 ``--steady SECONDS`` also runs a few real ``Wrapper`` ranks (processes with
 monitor thread and monitor process) in a function that only sleeps, and
@@ -112,6 +122,69 @@ def server_io(pid: int) -> tuple[int, int, int]:
         with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/schedstat") as f:
             cpu += int(f.read().split()[0])
     return int(fields["rchar"]) + int(fields["wchar"]), int(fields["syscr"]), cpu
+
+
+def server_connections(pid: int, port: int) -> int:
+    """Established TCP connections whose server end is the store's listening ``port``
+    (one per client connection: a loopback pair's other end is not counted)."""
+    suffix = f":{port:04X}"
+    count = 0
+    for table in ("tcp", "tcp6"):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/net/{table}") as f:
+            next(f, None)
+            for line in f:
+                fields = line.split(None, 4)
+                if len(fields) > 3 and fields[3] == "01" and fields[1].endswith(suffix):
+                    count += 1
+    return count
+
+
+def open_fds(pid: int) -> int:
+    """The open file descriptors of process ``pid``."""
+    try:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return 0
+
+
+class ServerWatch:
+    """Samples the store server's established connections and open descriptors on a
+    thread of its own (every ``interval`` seconds) and keeps the peaks: what the one
+    server holds for the job, the part that does not spread over hosts."""
+
+    def __init__(self, pid: int, port: int, interval: float = 0.5) -> None:
+        self.pid, self.port, self.interval = pid, port, interval
+        self.peak_connections = self.peak_fds = 0
+        self._lock = threading.Lock()  # the sampling thread and the run's phases both sample
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="server-watch", daemon=True)
+
+    def sample(self) -> None:
+        connections, fds = server_connections(self.pid, self.port), open_fds(self.pid)
+        with self._lock:
+            self.peak_connections = max(self.peak_connections, connections)
+            self.peak_fds = max(self.peak_fds, fds)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.sample()
+
+    def start(self) -> ServerWatch:
+        self.sample()
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Ends the sampling thread (after a last sample)."""
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+
+    def report(self, result: dict[str, Any], ranks: int, prefix: str = "") -> None:
+        """Adds the peaks, in all and per rank, to ``result``."""
+        result[f"{prefix}server_connections"] = self.peak_connections
+        result[f"{prefix}server_fds"] = self.peak_fds
+        result[f"{prefix}connections_per_rank"] = round(self.peak_connections / ranks, 2)
 
 
 # ----------------------------------------------------------------------------- ranks
@@ -404,11 +477,15 @@ def run(
         except Exception as ex:
             raise TimeoutError(name) from ex
         bytes1, ops1, cpu1 = server_io(pid)
+        watch.sample()  # every rank done with the phase and still connected
         return start, bytes1 - bytes0, ops1 - ops0, cpu1 - cpu0
 
     samples: dict[str, list[float]] = {"null": [], "restart": [], "torch": []}
     volume: dict[str, list[tuple[int, int, int]]] = {"null": [], "restart": [], "torch": []}
     starts: dict[str, float] = {}
+    # Invariant: the watch runs from before the first worker connects to after the last
+    # round, while every connection of the run is open (stopped in the finally).
+    watch = ServerWatch(pid, port).start()
     try:
         for process in workers:
             process.start()
@@ -435,6 +512,9 @@ def run(
     except TimeoutError as ex:
         result["incomplete"] = f"timed out in phase {ex} after {timeout:.0f} s"
         stop_workers = False
+    finally:
+        watch.stop()
+    watch.report(result, n)
     ends: dict[str, float] = {}
     marks: list[tuple[int, float, float, float]] = []
     errors: list[str] = []
@@ -479,6 +559,7 @@ def run(
             cpu = statistics.median(v[2] for v in volume[kind]) - null_cpu
             prefix = "" if kind == "restart" else "torch_"
             result[f"{prefix}server_cpu_s"] = round(cpu / 1e9, 4)
+            result[f"{prefix}server_cpu_us_per_rank"] = round(cpu / 1e3 / n, 1)
             result[f"{prefix}server_bytes"] = int(nbytes)
             result[f"{prefix}server_ops"] = int(ops)
             result[f"{prefix}bytes_per_rank"] = round(nbytes / n, 1)
@@ -551,9 +632,11 @@ def steady(ranks: int, seconds: float, spares: int = 0, nodes: int = 1) -> dict[
     while int(control.add("steady/ready", 0)) < ranks - spares and time.monotonic() < deadline:
         time.sleep(0.2)
     time.sleep(2.0)  # past the start of every rank's monitor thread and process
+    watch = ServerWatch(pid, port).start()
     bytes0, ops0, _ = server_io(pid)
     time.sleep(seconds)
     bytes1, ops1, _ = server_io(pid)
+    watch.stop()
     control.set("steady/stop", "1")
     for proc in procs:
         try:
@@ -570,6 +653,11 @@ def steady(ranks: int, seconds: float, spares: int = 0, nodes: int = 1) -> dict[
         "window_s": seconds,
         "ops_per_rank_per_s": round((ops1 - ops0) / ranks / seconds, 3),
         "bytes_per_rank_per_s": round((bytes1 - bytes0) / ranks / seconds, 1),
+        "server_connections": watch.peak_connections,
+        "server_fds": watch.peak_fds,
+        # the library's alone: less the harness's control client, the server's own
+        # client and the one each rank's function opens
+        "connections_per_rank": round((watch.peak_connections - 2 - ranks) / ranks, 2),
     }
 
 

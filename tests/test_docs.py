@@ -1,6 +1,8 @@
 """The documentation's links: every relative link in README.md, docs/*.md and
 benchmarks/README.md names an existing file, and every ``#anchor`` a heading of
-the page it points into; README.md stays short (the rest lives in docs/)."""
+the page it points into; README.md stays short (the rest lives in docs/). The
+benchmark page's scoreboard names, in each row, a benchmark that exists and
+results that exist."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ pytestmark = pytest.mark.timeout(30)
 
 ROOT = Path(__file__).resolve().parents[1]
 README_MAX_LINES = 300
+BENCHMARKS_MAX_LINES = 450
 
 _FENCE = re.compile(r"^\s*(```|~~~)")
 _CODE_SPAN = re.compile(r"(`+)(.+?)\1")
@@ -112,6 +115,73 @@ def check_links(files: Iterable[Path]) -> list[str]:
     return problems
 
 
+_TABLE_ROW = re.compile(r"^\s*\|(.*)\|\s*$")
+_BENCHMARK_PATH = re.compile(r"benchmarks/[\w./-]+")
+#: a row's figure cell that says its measurement is not in yet (no command needed)
+_PENDING = "see below"
+
+
+def _cells(row: str) -> list[str]:
+    return [c.strip() for c in _TABLE_ROW.match(row).group(1).split("|")]
+
+
+def check_scoreboard(page: Path, root: Path = ROOT) -> list[str]:
+    """One line per broken row of the page's ``## Scoreboard`` tables: a command
+    that names no file under ``benchmarks/`` or one that does not exist, a row
+    with no command whose figure is not "see below", or a linked file (a
+    results file, a journal) that does not exist. Problems if there is no
+    scoreboard or it has no row."""
+    problems: list[str] = []
+    rows = 0
+    in_board = False
+    header: list[str] | None = None
+    for number, line in _prose_lines(page.read_text(encoding="utf-8")):
+        if line.startswith("## "):
+            in_board = line[3:].strip().lower() == "scoreboard"
+            header = None
+            continue
+        if not in_board:
+            continue
+        if not _TABLE_ROW.match(line):
+            header = None
+            continue
+        cells = _cells(line)
+        if header is None:
+            header = [c.lower() for c in cells]
+            continue
+        if all(set(c) <= set(":- ") for c in cells):
+            continue  # the delimiter row
+        rows += 1
+        where = f"{page}:{number}"
+        if len(cells) != len(header):
+            problems.append(f"{where}: {len(cells)} cells under a header of {len(header)}")
+            continue
+        row = dict(zip(header, cells, strict=True))
+        if "command" not in row:
+            problems.append(f"{where}: a scoreboard table without a command column")
+            continue
+        figure = next((v for k, v in row.items() if k.startswith("figure")), "")
+        commands = [m.group(2) for m in _CODE_SPAN.finditer(row["command"])]
+        if not commands:
+            if figure.lower() != _PENDING:
+                problems.append(f"{where}: no command (only a {_PENDING!r} row may have none)")
+            continue
+        for command in commands:
+            paths = _BENCHMARK_PATH.findall(command)
+            if not paths:
+                problems.append(f"{where}: command {command!r} names no benchmarks/ file")
+            for path in paths:
+                if not (root / path).is_file():
+                    problems.append(f"{where}: command {command!r}: no such file {path}")
+        for m in _INLINE_LINK.finditer(line):
+            target = m.group(2).partition("#")[0]
+            if target and not _SCHEME.match(target) and not (page.parent / target).exists():
+                problems.append(f"{where}: linked file {target} does not exist")
+    if rows == 0:
+        problems.append(f"{page}: no scoreboard rows (a '## Scoreboard' section with tables)")
+    return problems
+
+
 def test_every_link_and_anchor_resolves() -> None:
     files = doc_files()
     assert all(f.exists() for f in files), files
@@ -122,6 +192,50 @@ def test_every_link_and_anchor_resolves() -> None:
 def test_readme_is_short() -> None:
     lines = (ROOT / "README.md").read_text(encoding="utf-8").count("\n")
     assert lines <= README_MAX_LINES, f"README.md has {lines} lines: move the detail to docs/"
+
+
+def test_the_scoreboard_names_existing_benchmarks_and_results() -> None:
+    page = ROOT / "benchmarks" / "README.md"
+    problems = check_scoreboard(page)
+    assert not problems, "\n".join(problems)
+    lines = page.read_text(encoding="utf-8").count("\n")
+    assert lines <= BENCHMARKS_MAX_LINES, f"{page} has {lines} lines: history goes to results/"
+
+
+def test_the_benchmark_journals_links_resolve() -> None:
+    journals = sorted((ROOT / "benchmarks" / "results").glob("journal-*.md"))
+    assert journals
+    problems = check_links(journals)
+    assert not problems, "\n".join(problems)
+
+
+def test_scoreboard_checker_finds_planted_broken_rows(tmp_path: Path) -> None:
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    (tmp_path / "benchmarks" / "ok.py").write_text("")
+    (tmp_path / "benchmarks" / "results" / "journal-ok.md").write_text("# ok\n")
+    page = tmp_path / "benchmarks" / "README.md"
+    page.write_text(
+        "# Benchmarks\n\n## Scoreboard\n\n### Group\n\n"
+        "| what | figure: median (worst) | command | more |\n"
+        "|---|---|---|---|\n"
+        "| good | 1 s (2 s) | `benchmarks/ok.py --n 2` | [j](results/journal-ok.md) |\n"
+        "| pending | see below | | |\n"
+        "| missing file | 1 s | `benchmarks/missing.py` | |\n"
+        "| broken link | 1 s | `benchmarks/ok.py` | [j](results/journal-gone.md#x) |\n"
+        "| no command | 1 s | | |\n"
+        "| no path | 1 s | `python ok.py` | |\n"
+        "\n## The benchmarks\n\n| what | command |\n|---|---|\n| outside | |\n"
+    )
+    problems = check_scoreboard(page, tmp_path)
+    assert len(problems) == 4, problems
+    assert ":11:" in problems[0] and "no such file benchmarks/missing.py" in problems[0]
+    assert ":12:" in problems[1] and "results/journal-gone.md does not exist" in problems[1]
+    assert ":13:" in problems[2] and "no command" in problems[2]
+    assert ":14:" in problems[3] and "names no benchmarks/ file" in problems[3]
+    page.write_text("# Benchmarks\n\nNo table.\n")
+    assert check_scoreboard(page, tmp_path) == [
+        f"{page}: no scoreboard rows (a '## Scoreboard' section with tables)"
+    ]
 
 
 def test_index_lists_every_page() -> None:
