@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import logging
 import os
 import sys
 
@@ -35,19 +34,6 @@ def warm_imports() -> None:
     import inprocess.wrap  # noqa: F401  (the Wrapper's modules: most of a second)
 
     del torch
-
-
-def lazy_imports() -> None:
-    """What a worker imports later, on the job's time, done once the preloaded
-    process said it is ready (so its readiness is not delayed by it; an
-    assignment that arrives meanwhile waits for it, still sooner than a fresh
-    process): ``torch._dynamo``, which the first optimizer a script builds
-    imports lazily (its steps are wrapped to disable dynamo), about as long as
-    ``import torch`` itself. It starts no thread either."""
-    try:
-        import torch._dynamo  # noqa: F401
-    except Exception as ex:  # a build without it: the first optimizer pays, as without us
-        logging.getLogger(__name__).warning("torch._dynamo not preloaded: %r", ex)
 
 
 def die_with_parent(sig: int) -> None:

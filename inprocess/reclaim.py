@@ -40,9 +40,19 @@ import gc
 import logging
 import time
 
-from .preloaded import lazy_imports
-
 log = logging.getLogger(__name__)
+
+
+def lazy_imports() -> None:
+    """What a training step imports lazily, imported now: ``torch._dynamo``, which
+    the first optimizer a script builds imports (its steps are wrapped to disable
+    dynamo), about as long as ``import torch`` itself; it starts no thread. A
+    preloaded process (a standby, the zygote) does it ahead of the job's time,
+    and a call before it freezes the heap (:class:`CallHeap`)."""
+    try:
+        import torch._dynamo  # noqa: F401
+    except Exception as ex:  # a build without it: the first optimizer pays, as without us
+        log.warning("torch._dynamo not imported ahead: %r", ex)
 
 
 def clear_frames(ex: BaseException | None, prefixes: tuple[str, ...] | None = None) -> None:

@@ -98,12 +98,12 @@ from ..preloaded import (
     ROOM_ENV,
     ROOM_SIZE,
     die_with_parent,
-    lazy_imports,
     reopen_stdio,
     show_environ,
     warm_imports,
 )
 from ..proctitle import ROOM_ARG, set_title, worker_title
+from ..reclaim import lazy_imports
 from .zygote import ZYGOTE_FLAG, Spawn, Zygote, ZygoteChild, zygote_env
 
 log = logging.getLogger(__name__)

@@ -61,11 +61,11 @@ from ..preloaded import (
     ROOM_ENV,
     ROOM_SIZE,
     die_with_parent,
-    lazy_imports,
     show_environ,
     warm_imports,
 )
 from ..proctitle import set_title
+from ..reclaim import lazy_imports
 
 log = logging.getLogger(__name__)
 

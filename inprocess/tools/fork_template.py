@@ -50,12 +50,12 @@ from ..preloaded import (
     ROOM_ENV,
     ROOM_SIZE,
     die_with_parent,
-    lazy_imports,
     reopen_stdio,
     show_environ,
     warm_imports,
 )
 from ..proctitle import ROOM_ARG, set_title, worker_title
+from ..reclaim import lazy_imports
 
 #: environment variables read at interpreter start-up or by the warm imports:
 #: a rank is forked only when its values of these equal the template's
