@@ -212,7 +212,7 @@ def test_worker_kill_controller_kill_and_node_loss(tmp_path, cluster):
         wait_for(lambda: launch.full_size_since(lost_at), launch, 120, "full size after loss")
         # the relaunched node's workers start from the spare slot's standby (one per node)
         moved = {split_worker_pid(launch.state()["workers"][w]["pid"])[1] for w in ("2", "3")}
-        assert moved & standbys
+        assert moved & standbys, json.dumps(launch.state()["events"][-12:], indent=0)
         launch.stop()
         check_clean_success(launch, None, timeout=240)
         state = launch.state()

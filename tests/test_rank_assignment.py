@@ -22,8 +22,10 @@ from inprocess.compose import Compose
 from inprocess.exception import InternalError, RestartError
 from inprocess.rank_assignment import (
     FillGaps,
+    FilterCountGroupedByKey,
     FilterGroupedByKey,
     RankAssignment,
+    RankAssignmentCtx,
     RankDiscarded,
     ShiftRanks,
 )
@@ -258,7 +260,7 @@ def test_assignment_then_rank_filter(job, divisor, max_active, kind):
 def test_filter_arguments_are_validated():
     ok = lambda count: True  # noqa: E731
     with pytest.raises(TypeError, match="key_or_fn"):
-        FilterGroupedByKey(3, ok)
+        FilterGroupedByKey(None, ok)
     with pytest.raises(ValueError, match="key_or_fn"):
         FilterGroupedByKey("a\nb", ok)
     with pytest.raises(TypeError, match="condition"):
@@ -339,6 +341,42 @@ def test_seed_example_with_int_keys_and_fill_gaps():
     results = simulate_threads(lambda rank: chain, 8, {2})
     mapping = check_consistent(results, {2, 3})
     assert mapping == {0: 0, 1: 1, 4: 4, 5: 5, 6: 2, 7: 3}
+
+
+def test_plain_value_keys_are_compared_as_str():
+    # A key given as a value rather than a callable may be any value, e.g. an int
+    # computed by the script (``key_or_fn=state.rank // 2``), in either generation.
+    assert FilterGroupedByKey(3, bool).key_or_fn == "3"
+    results = simulate_threads(
+        lambda rank: Compose(
+            ShiftRanks(),
+            FilterGroupedByKey(key_or_fn=rank // 2, condition=lambda c: c == 2, name="plain"),
+        ),
+        8,
+        {2},
+    )
+    mapping = check_consistent(results, {2, 3})
+    assert mapping == {0: 0, 1: 1, 4: 2, 5: 3, 6: 4, 7: 5}
+
+    store = HashStore()
+    out: dict[int, object] = {}
+
+    def target(rank: int) -> None:
+        filt = FilterCountGroupedByKey(rank // 2, lambda c: c == 2, name="plain-count")
+        try:
+            ctx = filt(RankAssignmentCtx(State(rank=rank, world_size=8), store, {1, 4}))
+            out[rank] = ctx.terminated_ranks
+        except BaseException as ex:
+            out[rank] = ex
+
+    threads = [threading.Thread(target=target, args=(r,), daemon=True) for r in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert not any(t.is_alive() for t in threads)
+    for rank in (0, 2, 3, 5, 6, 7):
+        assert out[rank] == {0, 1, 4, 5}, (rank, out[rank])
 
 
 def test_rank_local_string_keys():

@@ -19,11 +19,13 @@ log = logging.getLogger(__name__)
 class FilterGroupedByKey(RankAssignment):
     """Terminates whole groups of ranks whose healthy member count fails ``condition``.
 
-    Ranks are grouped by a key: ``key_or_fn`` is the key itself (a string that
-    may differ between ranks, e.g. ``socket.gethostname()``) or a callable
-    ``(rank, world_size) -> key`` evaluated on each rank for itself. Keys are
-    exchanged through ``state.store``, so they may be rank-local facts that no
-    other rank could compute. A key that is not a string is converted with ``str``.
+    Ranks are grouped by a key: ``key_or_fn`` is the key itself (a value that
+    may differ between ranks, e.g. ``socket.gethostname()`` or ``rank // 8``)
+    or a callable ``(rank, world_size) -> key`` evaluated on each rank for
+    itself. Keys are exchanged through ``state.store``, so they may be
+    rank-local facts that no other rank could compute. A key that is not a
+    string, given or computed, is converted with ``str`` (as the API's other
+    generations accept any key value, e.g. an ``int``).
 
     ``condition(count)`` receives the number of surviving ranks of a group; when
     it is false every rank of that group is added to the terminated set. For
@@ -50,17 +52,20 @@ class FilterGroupedByKey(RankAssignment):
 
     def __init__(
         self,
-        key_or_fn: str | Callable[[int, int], object],
+        key_or_fn: object,
         condition: Callable[[int], bool],
         timeout: datetime.timedelta = datetime.timedelta(seconds=60),
         *,
         name: str | None = None,
     ) -> None:
-        if not isinstance(key_or_fn, str) and not callable(key_or_fn):
+        if key_or_fn is None:
             raise TypeError(
-                "key_or_fn must be a str (this rank's key) or a callable "
-                f"(rank, world_size) -> key, got {key_or_fn!r}"
+                "key_or_fn must be this rank's key (a str, or a value such as an int, "
+                "compared as its str) or a callable computing it, got None"
             )
+        if not callable(key_or_fn) and not isinstance(key_or_fn, str):
+            # A plain value is this rank's key, compared as its str; converted once here.
+            key_or_fn = str(key_or_fn)
         if isinstance(key_or_fn, str) and "\n" in key_or_fn:
             raise ValueError(f"key_or_fn must be a single-line key, got {key_or_fn!r}")
         if not callable(condition):
@@ -163,8 +168,9 @@ class FilterCountGroupedByKey(FilterGroupedByKey):
     """The newer generation's group filter: ``ctx -> ctx``; the key from the state.
 
     Like :class:`FilterGroupedByKey` (same store exchange, same condition on the
-    count of surviving ranks of each group), but ``key_or_fn`` is a string or a
-    callable ``(state) -> key`` evaluated on each rank for itself, and it is called
+    count of surviving ranks of each group), but ``key_or_fn`` is the key (any
+    value, compared as its ``str``) or a callable ``(state) -> key`` evaluated on
+    each rank for itself, and it is called
     with one :class:`~inprocess.rank_assignment.RankAssignmentCtx`. Follow it with
     an assignment that discards the terminated ranks::
 
