@@ -24,6 +24,8 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+import torch.distributed
+
 from . import generation as _gen
 from . import monitor_thread as _mt
 from . import node as _node
@@ -37,7 +39,7 @@ from .exception import StoreError
 from .monitor_process import MonitorConfig, MonitorProcess
 from .monitor_thread import InterruptSignal, MonitorThread, RankShouldRestart
 from .progress_watchdog import Doorbell, ProgressBoard, ProgressWatchdog
-from .reclaim import CallHeap, clear_frames
+from .reclaim import CallHeap, clear_frames, stores_in_frames
 from .relay import RelayClient
 from .state import State
 from .store import (
@@ -61,8 +63,9 @@ RANK_HOSTED_KEY = protocol.RANK_HOSTED
 #: longest a host that left by RestartAbort keeps the store up for its peers' own
 ABORT_WAIT = 10.0
 
-#: frames whose locals the call's end clears (the caller's traceback must not keep its store)
+#: frames whose locals a restart clears at once (see release_frames) and the call's end
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+TORCH_DISTRIBUTED_DIR = os.path.dirname(os.path.abspath(torch.distributed.__file__)) + os.sep
 
 
 # --------------------------------------------------------------------------- the store
@@ -379,32 +382,56 @@ def write_pidfile(template: str, rank: int, monitor: MonitorProcess) -> None:
     os.replace(tmp, path)
 
 
-def release_frames(board: ProgressBoard, ex: BaseException | None, heap: CallHeap) -> None:
-    """Lets go of everything the failed iteration left in the frames of ``ex``'s
-    traceback, and collects the call's garbage (see :mod:`inprocess.reclaim`).
+def release_frames(board: ProgressBoard, ex: BaseException | None) -> None:
+    """Lets go of what a failed iteration left in the frames of ``ex``'s traceback
+    that are ours and torch.distributed's.
 
-    Those frames hold the iteration's model, optimizer and buffers (the
-    wrapped function's locals), its aborted process groups and the work
-    objects of their collectives (torch.distributed's own frames: ``group``,
-    ``work``), and the exception lives on in ``State.fn_exception`` into the
-    next iteration: left alone, each failed iteration's memory would stay
-    alive. Freeing them runs native destructors that may block for good (a
-    gloo group joins its worker threads, and one left in a send the abort
-    did not fail never returns): they are freed here, on the bounded-unwind
-    clock, so a rank stuck in them is ended after ``unwind_timeout`` like one
-    stuck before it came back, not by its hard timeout at some later fault,
-    while its peers wait.
+    Those frames hold its aborted process groups and the work objects of
+    their collectives (``group``, ``work``), and the exception lives on in
+    ``State.fn_exception`` into the next iteration. Freeing them runs native
+    destructors that may block for good (a gloo group joins its worker
+    threads, and one left in a send the abort did not fail never returns):
+    they are freed here, on the bounded-unwind clock, so a rank stuck in them
+    is ended after ``unwind_timeout`` like one stuck before it came back, not
+    by its hard timeout at some later fault, while its peers wait.
 
-    The exception and its traceback stay printable (file, line, function of
-    every frame); only the frames' locals are gone.
+    The wrapped function's own frames are let go of later, once every rank
+    has passed the termination barrier (:func:`reclaim_iteration`): what they
+    hold may still serve the peers' restart (a store server the function
+    hosts, which the others' aborts write through).
     """
     if ex is None:
         return
     board.write_phase("release")
     if not board.unwind_started():  # a fault the monitor thread did not interrupt
         board.write_unwind(time.monotonic())
-    clear_frames(ex)
-    heap.collect()
+    clear_frames(ex, (PACKAGE_DIR, TORCH_DISTRIBUTED_DIR))
+
+
+def reclaim_iteration(board: ProgressBoard, ex: BaseException | None, heap: CallHeap) -> None:
+    """Frees everything the failed iteration left, before the next one begins: the
+    locals of every finished frame of ``ex``'s tracebacks (the wrapped function's
+    model, optimizer, buffers, stores), then the call's garbage (see
+    :mod:`inprocess.reclaim`).
+
+    Called after the termination barrier: every rank has finished its abort,
+    so nothing of this iteration still serves a peer, and before the next
+    iteration barrier, so no peer can reach this iteration's objects (a store
+    server the function hosted) once the next iteration starts. On the
+    bounded-unwind clock, as :func:`release_frames` (native destructors may
+    block). The exception and its traceback stay printable (file, line,
+    function of every frame); only the frames' locals are gone.
+    """
+    if ex is None:
+        return
+    board.write_phase("reclaim")
+    board.write_unwind(time.monotonic())
+    try:
+        heap.keep(stores_in_frames(ex))  # (see CallHeap.keep)
+        clear_frames(ex)
+        heap.collect()
+    finally:
+        board.write_unwind(0.0)
 
 
 # --------------------------------------------------------------------------- the environment

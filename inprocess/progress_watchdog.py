@@ -116,6 +116,7 @@ PHASES = (
     "termination_barrier",
     "release",
     "finished",
+    "reclaim",
 )
 
 

@@ -39,6 +39,7 @@ import contextlib
 import gc
 import logging
 import time
+from types import FrameType
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,34 @@ def lazy_imports() -> None:
         import torch._dynamo  # noqa: F401
     except Exception as ex:  # a build without it: the first optimizer pays, as without us
         log.warning("torch._dynamo not imported ahead: %r", ex)
+
+
+def stores_in_frames(ex: BaseException | None) -> list[object]:
+    """The ``torch.distributed.Store`` objects that finished frames of ``ex``'s
+    tracebacks hold in a local (the wrapped function's own store, say)."""
+    import torch.distributed as dist
+
+    found: list[object] = []
+    for frame in _finished_frames(ex):
+        found += [v for v in frame.f_locals.values() if isinstance(v, dist.Store)]
+    return found
+
+
+def _finished_frames(ex: BaseException | None) -> list[FrameType]:
+    frames: list[FrameType] = []
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [ex]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        tb = current.__traceback__
+        while tb is not None:
+            frames.append(tb.tb_frame)
+            tb = tb.tb_next
+        pending += [current.__cause__, current.__context__]
+    return frames
 
 
 def clear_frames(ex: BaseException | None, prefixes: tuple[str, ...] | None = None) -> None:
@@ -75,6 +104,9 @@ def clear_frames(ex: BaseException | None, prefixes: tuple[str, ...] | None = No
             if prefixes is None or frame.f_code.co_filename.startswith(prefixes):
                 with contextlib.suppress(RuntimeError):  # still executing
                     frame.clear()
+                    # a dict of its locals made before (reading f_locals) is
+                    # brought in line with the cleared frame, emptied with it
+                    frame.f_locals  # noqa: B018
             tb = tb.tb_next
         pending += [current.__cause__, current.__context__]
 
@@ -94,6 +126,17 @@ class CallHeap:
         self._unfreeze = gc.get_freeze_count() == 0
         gc.freeze()
         self._open = True
+        #: what the last restart kept alive on purpose (see :meth:`keep`)
+        self._kept: list[object] = []
+
+    def keep(self, objects: list[object]) -> None:
+        """Keeps ``objects`` alive until the next :meth:`keep` or :meth:`close`: the
+        stores a failed iteration's function made. A script that builds its own
+        ``TCPStore`` in every call (the usage guide's pattern: ``multi_tenant``,
+        rank 0 hosting it) gets the same server back in the next call while the
+        last one is alive; freed at the restart, its port would be bound anew
+        while the peers' clients still reach for the old one."""
+        self._kept = list(objects)
 
     def collect(self) -> float:
         """Collects the call's garbage (a full collection of what it created);
@@ -105,6 +148,7 @@ class CallHeap:
         return seconds
 
     def close(self) -> None:
+        self._kept = []
         if self._open:
             self._open = False
             if self._unfreeze:

@@ -518,6 +518,8 @@ class CallWrapper:
                     self._health_check(result.exception)
                 with self._phase("termination_barrier"):
                     termination = self._termination_barrier(current)
+                # what the failed iteration made, freed before the next one
+                _setup.reclaim_iteration(self._board, result.exception, self._heap)
                 terminated, joiners = set(termination.terminated), list(termination.joiners)
                 records.publish_phases(self.store, terminated)
                 self._log_root_cause(result.exception)
@@ -722,7 +724,7 @@ class CallWrapper:
                 self._aborted_iteration = current  # see call_setup.wait_for_peers_to_abort
                 raise
             # on the bounded-unwind clock (see call_setup.release_frames)
-            _setup.release_frames(self._board, result.exception, self._heap)
+            _setup.release_frames(self._board, result.exception)
             return result
         finally:
             self._board.write_unwind(0.0)  # back in the Wrapper: the unwind is over

@@ -54,35 +54,10 @@ def _sockaddr_matches(blob: bytes, address: Address) -> bool:
     return False
 
 
-#: the longest the addresses are read through the group's own store client before
-#: a client of our own is used (see :func:`_gloo_address_blobs`)
-SHARED_CLIENT_WAIT = 0.2
-
-
-def _own_client(store: Any) -> Any:
-    """A client of ``store`` with a connection of its own (``Store.clone``), or ``store``
-    itself where it cannot be cloned."""
-    try:
-        return store.clone()
-    except (AttributeError, NotImplementedError, RuntimeError):
-        return store
-
-
 def _gloo_address_blobs(pg: Any, store: Any, timeout: float) -> list[bytes]:
-    """The address records gloo published for ``pg`` (read with a bounded wait).
+    """The address records gloo published for ``pg`` (read with a bounded wait)."""
 
-    Read through the group's store first; if that does not answer within
-    :data:`SHARED_CLIENT_WAIT`, through a connection of our own. A TCPStore
-    client runs one operation at a time: a thread of the application blocked in
-    a ``wait`` or a ``get`` of a key that is not there (on the store the group
-    was made with) holds every other operation on it until its own timeout,
-    and the blocked collectives would not be released. The group's store is
-    tried first because it answers at once when nothing holds it, and a dead
-    server fails there at once, where a new connection would retry until the
-    timeout.
-    """
-
-    def read(store: Any) -> list[bytes]:
+    def read() -> list[bytes]:
         size = pg.size()
         # The layout of torch 2.x; the group-name level is tried too in case a
         # version hands out the parent store.
@@ -97,15 +72,8 @@ def _gloo_address_blobs(pg: Any, store: Any, timeout: float) -> list[bytes]:
                 return blobs
         return []
 
-    shared = min(SHARED_CLIENT_WAIT, timeout / 4)
     try:
-        try:
-            result = call_with_timeout(lambda: read(store), shared, "inprocess-gloo-addresses")
-        except RestartTimeoutError:
-            log.debug("the store of group %s is busy: read through a client of ours", pg.group_name)
-            result = call_with_timeout(
-                lambda: read(_own_client(store)), timeout - shared, "inprocess-gloo-addresses"
-            )
+        result = call_with_timeout(read, timeout, "inprocess-gloo-addresses")
     except RestartTimeoutError:
         log.warning("reading gloo addresses of group %s timed out", pg.group_name)
         return []
