@@ -57,17 +57,18 @@ def lazy_imports() -> None:
 
 
 def stores_in_frames(ex: BaseException | None) -> list[object]:
-    """The ``torch.distributed.Store`` objects that finished frames of ``ex``'s
+    """The ``torch.distributed.Store`` objects that frames of ``ex``'s
     tracebacks hold in a local (the wrapped function's own store, say)."""
     import torch.distributed as dist
 
     found: list[object] = []
-    for frame in _finished_frames(ex):
+    for frame in _traceback_frames(ex):
         found += [v for v in frame.f_locals.values() if isinstance(v, dist.Store)]
     return found
 
 
-def _finished_frames(ex: BaseException | None) -> list[FrameType]:
+def _traceback_frames(ex: BaseException | None) -> list[FrameType]:
+    """Every frame of ``ex``'s tracebacks, chained exceptions' too (each exception once)."""
     frames: list[FrameType] = []
     seen: set[int] = set()
     pending: list[BaseException | None] = [ex]
@@ -91,24 +92,13 @@ def clear_frames(ex: BaseException | None, prefixes: tuple[str, ...] | None = No
     A frame still executing (the caller's own, as it handles ``ex``) is left
     as it is.
     """
-    seen: set[int] = set()
-    pending: list[BaseException | None] = [ex]
-    while pending:
-        current = pending.pop()
-        if current is None or id(current) in seen:
-            continue
-        seen.add(id(current))
-        tb = current.__traceback__
-        while tb is not None:
-            frame = tb.tb_frame
-            if prefixes is None or frame.f_code.co_filename.startswith(prefixes):
-                with contextlib.suppress(RuntimeError):  # still executing
-                    frame.clear()
-                    # a dict of its locals made before (reading f_locals) is
-                    # brought in line with the cleared frame, emptied with it
-                    frame.f_locals  # noqa: B018
-            tb = tb.tb_next
-        pending += [current.__cause__, current.__context__]
+    for frame in _traceback_frames(ex):
+        if prefixes is None or frame.f_code.co_filename.startswith(prefixes):
+            with contextlib.suppress(RuntimeError):  # still executing
+                frame.clear()
+                # a dict of its locals made before (reading f_locals) is
+                # brought in line with the cleared frame, emptied with it
+                frame.f_locals  # noqa: B018
 
 
 class CallHeap:
