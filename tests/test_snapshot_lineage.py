@@ -25,7 +25,10 @@ from inprocess.snapshot import persist
 sys.path.insert(0, str(WORKERS))
 import snapshot_model as sm
 
-SETTINGS = dict(steps=30, persist_every=5, replicated=False)
+# 0.3 s steps: each due write lands before the next is due (the first imports
+# torch.distributed.checkpoint, seconds on a loaded machine), else a step kept back
+# while the writer is busy is skipped for a newer one and step 25 may miss a shard
+SETTINGS = dict(steps=30, persist_every=5, replicated=False, step_sleep=0.3)
 
 
 def killed_after_commit(rank: int) -> list[dict]:
