@@ -71,6 +71,7 @@ from .rank_assignment import RankAssignment
 from .rank_filter import RankFilter
 from .reclaim import CallHeap
 from .relay import RelayClient
+from .slurm_env import apply_slurm_task_env
 from .state import Mode, State
 from .store import (
     WAIT_CHUNK_MAX,
@@ -110,6 +111,8 @@ class Wrapper:
     The wrapped function must initialize ``torch.distributed`` itself on every
     call (reading ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) and
     let ``BaseException`` propagate. See docs/wrapper.md for the full contract.
+    In a task that ``srun`` started directly (no launcher), those variables are
+    filled in from Slurm's when unset (docs/multi-node.md).
 
     Args:
         store_factory: class (a :class:`inprocess.store.StoreMixin`) of the internal store.
@@ -218,6 +221,11 @@ class Wrapper:
         arguments = dict(locals())
         del arguments["self"]
         self.config = WrapperConfig.from_arguments(**arguments)
+        if self.config.enabled:
+            # a script srun started directly, one task per rank: RANK, WORLD_SIZE,
+            # LOCAL_RANK, MASTER_ADDR, ... from Slurm's variables (none overridden),
+            # before anything below or the call reads them
+            apply_slurm_task_env()
         #: the check after a fault: NIC, NVLink and GPU checks of the rank's device
         #: (``LOCAL_RANK``), then the user's ``health_check``; None without LOCAL_RANK
         self.restart_health_check = (

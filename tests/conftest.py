@@ -195,3 +195,15 @@ def single_rank(monkeypatch):
     port = free_port()
     monkeypatch.setenv("MASTER_PORT", str(port))
     return port
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """A real Slurm cluster on this machine (tests/slurm_cluster.py): 5 nodes, n1..n5,
+    4 CPUs each as Slurm counts them; started by the first test that asks for it,
+    stopped at the session's end. Skips where it cannot be had (not root, no
+    packages), fails instead with ``INPROCESS_REQUIRE_SLURM=1``."""
+    import slurm_cluster as harness
+
+    with harness.cluster_or_skip() as cluster:
+        yield cluster

@@ -64,3 +64,19 @@ def test_job_level_node_loss_is_a_cold_restart_on_the_spare():
 def test_bad_node_lost_is_a_clear_error(args, message):
     with pytest.raises(P.PolicyError, match=message):
         P.NodeLost(*args)
+
+
+def test_a_lost_slot_with_a_machine_again_is_a_spare_for_the_next_loss():
+    sim = running_sim(managed=True, spare_nodes=1, node_max_relaunches=2)
+    sim.event(P.NodeLost(1, 1, "gone"))
+    assert sim.state.removed_slots == [1]
+    # no free slot now: a second loss would relaunch in place
+    assert sim.event(P.SlotBack(1, "machine n2 joined")) == []
+    assert sim.state.removed_slots == []
+    assert any(e["kind"] == "slot_back" for e in sim.state.events)
+    relaunch = only(sim.event(P.NodeLost(1, 2, "gone again")), P.RelaunchNode)
+    assert (relaunch.from_slot, relaunch.to_slot) == (2, 1)
+    # a slot that was never given up, or that a node runs on: nothing to do
+    only(sim.event(P.SlotBack(0, "joined")), P.Ignore)
+    with pytest.raises(P.PolicyError, match="SlotBack.how"):
+        P.SlotBack(0, "")

@@ -137,11 +137,8 @@ def test_no_python_standalone_quiet(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("flags", "says"),
     [
-        (["--rdzv-backend", "c10d"], "no rendezvous"),
-        (["--rdzv_endpoint=host:29400"], "use --master-addr"),
-        (["--rdzv-id", "7"], "use --job-id"),
-        (["--node-rank", "1"], "run it once"),
-        (["--nnodes", "1:2"], "elastic ranges"),
+        (["--rdzv-conf", "join_timeout=5"], "no rendezvous to configure"),
+        (["--role", "trainer"], "no roles"),
     ],
 )
 def test_torchrun_only_flags_say_what_to_use(flags, says, tmp_path, capsys) -> None:

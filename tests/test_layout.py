@@ -63,7 +63,9 @@ def test_create_backend_by_name(tmp_path):
     finally:
         backend.clear_exit_records()
         backend.close()
-    with pytest.raises(ValueError, match=r"backend must be one of \['local', 'ray'\], got 'k8s'"):
+    with pytest.raises(
+        ValueError, match=r"backend must be one of \['local', 'nodes', 'ray'\], got 'k8s'"
+    ):
         create_backend("k8s", tmp_path)
 
 

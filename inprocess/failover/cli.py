@@ -32,7 +32,8 @@ from ..proctitle import set_title
 from ..records import EVENTS_FILE, RECORDS_ENV, RESTARTS_FILE, records_distrust
 from ..security import JOB_SECRET_ENV, check_job_secret
 from ..userdir import user_dir
-from . import policy
+from . import multinode, policy
+from .cluster_env import nnodes_range
 from .console import LOG_DIR_MODE, Console, StatusLine
 from .spec import (
     DEFAULT_JOIN_TIMEOUT,
@@ -72,7 +73,13 @@ def parser() -> argparse.ArgumentParser:
         prog="inprocess-run",
         description="Run a distributed PyTorch job with in-process restart and job failover.",
     )
-    p.add_argument("--nnodes", type=_nnodes, default=1, help="number of nodes (default 1)")
+    p.add_argument(
+        "--nnodes",
+        type=_nnodes,
+        default=None,
+        help="number of nodes, or MIN:MAX: MIN nodes train, MAX-MIN more are hot spares "
+        "(like --spare-nodes; default 1)",
+    )
     p.add_argument(
         "--nproc-per-node",
         "--nproc_per_node",
@@ -195,6 +202,7 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument(
             *flags, nargs="?", action=_Unsupported, advice=advice, help=argparse.SUPPRESS
         )
+    multinode.add_flags(p)
     p.add_argument(
         "--backend",
         default="local",
@@ -266,6 +274,37 @@ def main(argv: list[str] | None = None) -> int:
             f"got {args.log_level!r}"
         )
     args.log_level = logging.getLevelName(level)
+    problem = _node_counts(args)
+    if problem:
+        return _error(problem)
+    mn, listener, agent = None, None, False
+    if args.backend == "local":
+        try:
+            multinode.read_secret(args.secret_file)
+            mn = multinode.resolve(args, os.environ)
+        except ValueError as ex:
+            return _error(str(ex))
+    elif args.node_rank is not None or args.rdzv_endpoint or args.coordinator_only:
+        return _error("--node-rank, --rdzv-endpoint and --coordinator-only need --backend local")
+    if mn is not None:
+        if not os.environ.get(JOB_SECRET_ENV):
+            return _error(
+                "a job of several machines needs the same secret on every machine: set "
+                f"{JOB_SECRET_ENV} (e.g. to the output of: python -c 'import secrets; "
+                "print(secrets.token_hex(32))') or give --secret-file"
+            )
+        args.nnodes, args.spare_nodes = mn.nnodes, mn.spare_nodes
+        args.job_id = args.job_id or mn.job_id
+        args.master_port = None  # (the store's port is chosen by the coordinator)
+        if multinode.is_coordinator(mn, args.coordinator_only) or mn.node_rank is None:
+            try:
+                listener = multinode.open_coordinator(mn)
+            except multinode.StartError as ex:
+                if mn.node_rank == 0 or args.coordinator_only:
+                    return _error(str(ex))
+        agent = listener is None
+        if not agent and args.master_addr is None:
+            args.master_addr = mn.coordinator_host
     if args.max_controller_restarts < 0:
         return _error(f"--max-controller-restarts must be >= 0, got {args.max_controller_restarts}")
     ray_node = bundle = None
@@ -282,9 +321,12 @@ def main(argv: list[str] | None = None) -> int:
             bundle = parse_bundle(args.ray_bundle)
         except ValueError as ex:
             return _error(str(ex))
-    problem = _check_launch_flags(args) or _check_machine(args)
+    problem = _check_launch_flags(args) or _check_machine(args, one_node=mn is not None)
     if problem:
         return _error(problem)
+    if agent:
+        assert mn is not None
+        return multinode.run_agent(args, mn, args.log_level)
     if args.backend == "ray":
         ray_node = connect(args.ray_address)  # before our variables enter the environment
     if args.master_addr is None:
@@ -335,6 +377,17 @@ def main(argv: list[str] | None = None) -> int:
         return _error(_flag_names(str(ex)))
     # ps/pgrep: the script's name is for its workers alone (see inprocess.proctitle)
     set_title(f"inprocess-run launcher of job {job_id}")
+    controller_args = ["--log-level", args.log_level]
+    if listener is not None:
+        assert mn is not None
+        logging.basicConfig(
+            level=args.log_level, format="%(asctime)s inprocess-run %(levelname)s %(message)s"
+        )
+        try:
+            config = multinode.rendezvous_for(listener, args, mn, job_id)
+        except multinode.StartError as ex:
+            listener.close()
+            return _error(str(ex))
     lock = None
     # Invariant: a refused start leaves the state dir as it found it (the
     # corrected rerun with the same --state-dir starts): every flag is checked
@@ -349,6 +402,8 @@ def main(argv: list[str] | None = None) -> int:
         _prepare_state_dir(state_dir)
         store.create(policy.new_job_state(spec, now=time.time()))
         created = True
+        if listener is not None:
+            controller_args += multinode.coordinate(listener, config, state_dir)
         if log_dir is not None:
             flag = "--log-dir" if args.log_dir is not None else "--state-dir"
             try:
@@ -398,9 +453,10 @@ def main(argv: list[str] | None = None) -> int:
             ).run()
         return Supervisor(
             state_dir,
-            ["--log-level", args.log_level],
+            controller_args,
             run_token,
             max_controller_restarts=args.max_controller_restarts,
+            pass_fds=(listener.fileno(),) if listener is not None else (),
         ).run()
     finally:
         console.stop()
@@ -410,24 +466,9 @@ def main(argv: list[str] | None = None) -> int:
 #: torchrun's flags that mean nothing here, and what to do instead
 _TORCHRUN_ONLY: list[tuple[tuple[str, ...], str]] = [
     (
-        ("--rdzv-backend", "--rdzv_backend"),
-        "there is no rendezvous: the controller starts every worker and hosts the "
-        "job's store; drop it (--standalone is accepted)",
-    ),
-    (
-        ("--rdzv-endpoint", "--rdzv_endpoint"),
-        "the job's store is hosted by inprocess-run: use --master-addr (and --master-port)",
-    ),
-    (("--rdzv-id", "--rdzv_id"), "use --job-id"),
-    (
         ("--rdzv-conf", "--rdzv_conf"),
         "no rendezvous to configure; the job's limits are --max-restarts, "
         "--per-node-max-failures, --job-max-restarts and --node-max-relaunches",
-    ),
-    (
-        ("--node-rank", "--node_rank"),
-        "inprocess-run starts every node itself: run it once for the whole job "
-        "(--nnodes; --backend ray for several machines)",
     ),
     (("--role",), "every worker runs the same SCRIPT; there are no roles"),
     (
@@ -451,19 +492,29 @@ class _Unsupported(argparse.Action):
         raise argparse.ArgumentError(self, f"not an inprocess-run flag: {self.advice}")
 
 
-def _nnodes(text: str) -> int:
+def _nnodes(text: str) -> str:
+    """A number of nodes, or ``MIN:MAX`` (checked here, read by :func:`_node_counts`)."""
     try:
-        value = int(text)
-    except ValueError:
-        pass
-    else:
-        return _in_range(value, 1, MAX_NODES, text)
-    if ":" in text:
-        raise argparse.ArgumentTypeError(
-            f"elastic ranges MIN:MAX ({text!r}) are not supported: give the number of nodes; "
-            "--spare-nodes adds node slots that a failing node moves to"
-        )
-    raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}")
+        nnodes_range(text)
+    except ValueError as ex:
+        raise argparse.ArgumentTypeError(str(ex).removeprefix(f"--nnodes={text!r}: ")) from None
+    return text
+
+
+def _node_counts(args: argparse.Namespace) -> str | None:
+    """Sets ``args.nnodes`` and ``args.spare_nodes`` from ``--nnodes [MIN:MAX]`` and
+    ``--spare-nodes``; the problem if they disagree."""
+    args.nnodes_given = args.nnodes
+    low, high = nnodes_range(args.nnodes or "1")
+    if high > low:
+        if args.spare_nodes not in (0, high - low):
+            return (
+                f"--nnodes {args.nnodes} means {high - low} spare node(s), but --spare-nodes "
+                f"is {args.spare_nodes}: give one of them"
+            )
+        args.spare_nodes = high - low
+    args.nnodes = low
+    return None
 
 
 def _nproc_per_node(text: str) -> int:
@@ -647,10 +698,13 @@ def local_capacity() -> int:
     return min(limit, max(1, (files - FDS_RESERVED) // FDS_PER_PROCESS))
 
 
-def _check_machine(args: argparse.Namespace) -> str | None:
+def _check_machine(args: argparse.Namespace, one_node: bool = False) -> str | None:
     """Refuses a local launch larger than the machine can hold, before anything starts:
     the workers, and the standbys (``--standby`` on every node slot, spares included)
-    with one zygote per slot that forks them."""
+    with one zygote per slot that forks them. ``one_node``: this machine runs one
+    node of a job of several machines."""
+    if one_node:
+        args = argparse.Namespace(**{**vars(args), "nnodes": 1, "spare_nodes": 0})
     if args.backend != "local" or args.nnodes < 1 or args.nproc_per_node < 1:
         return None  # bad numbers are refused by name later
     workers = args.nnodes * args.nproc_per_node

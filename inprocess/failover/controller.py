@@ -208,6 +208,12 @@ class Controller:
                 self.apply(policy.handle_event(self.state, event, now=time.time()))
                 if self.state.stage is not Stage.RUNNING:
                     break
+        code = (
+            self.state.exit_code if self.state.exit_code is not None else policy.FAILURE_EXIT_CODE
+        )
+        end_job = getattr(self.backend, "end_job", None)
+        if end_job is not None and self.state.stage is Stage.STOPPED:
+            end_job(code, self.state.reason or "")  # (other machines' agents end too)
         self.backend.close()
         for attempt in range(FINAL_SAVE_TRIES):
             if self.flush():
@@ -390,6 +396,8 @@ class Controller:
             return [*lost_nodes, StoreLost(self.state.generation, lost)]
         snapshot = self._read_job() if running else None
         events: list[policy.Event] = lost_nodes
+        returned = getattr(self.backend, "returned_slots", None)  # (machines that came back)
+        events += [policy.SlotBack(slot, how) for slot, how in (returned() if returned else [])]
         events += self._reports(snapshot) if snapshot else []
         self._declare_dead(snapshot, exits, lost_nodes)
         for exit_ in exits:
@@ -1044,6 +1052,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--recover", action="store_true", help="resume after a controller crash")
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument(
+        "--backend", default=DEFAULT_BACKEND, help="where the workers run (see backends)"
+    )
+    parser.add_argument(
         "--result-fd", type=int, default=None, help="where to write the job's exit code at its end"
     )
     args = parser.parse_args(argv)
@@ -1058,7 +1069,7 @@ def main(argv: list[str] | None = None) -> int:
     expected = os.environ.get("INPROCESS_SUPERVISOR_PID")
     if not die_with_parent(LAUNCHER_DEATH_SIGNAL, int(expected) if expected else None):
         os.kill(os.getpid(), LAUNCHER_DEATH_SIGNAL)
-    controller = Controller(args.state_dir)
+    controller = Controller(args.state_dir, create_backend(args.backend, args.state_dir))
     set_title(f"inprocess-run controller of job {controller.spec.job_id}", "inproc-control")
     code = policy.FAILURE_EXIT_CODE
     with contextlib.suppress(BrokenPipeError):

@@ -113,6 +113,7 @@ __all__ = [
     "RelaunchWorker",
     "RestartJob",
     "Resume",
+    "SlotBack",
     "StartJob",
     "StopJob",
     "StoreLost",
@@ -313,7 +314,21 @@ class JoinOverdue:
             )
 
 
-Event = WorkerExited | WorkerReported | StoreLost | NoLiveMember | NodeLost | JoinOverdue
+@dataclasses.dataclass(frozen=True)
+class SlotBack:
+    """A machine is on node slot ``slot`` again (``how``: e.g. a requeued machine
+    joined): a slot given up after its machine was lost is a spare once more."""
+
+    slot: int
+    how: str
+
+    def __post_init__(self) -> None:
+        _check_int("SlotBack.slot", self.slot, 0)
+        if not isinstance(self.how, str) or not self.how:
+            raise PolicyError(f"SlotBack.how must be a non-empty string, got {self.how!r}")
+
+
+Event = WorkerExited | WorkerReported | StoreLost | NoLiveMember | NodeLost | JoinOverdue | SlotBack
 
 
 # -- actions: what the controller must do next ------------------------------
@@ -807,6 +822,20 @@ def _node_lost(state: JobState, event: NodeLost, now: float) -> Decision:
     return _restart_job(new, f"{what}; moved from slot {from_slot} to slot {to_slot}", now)
 
 
+def _slot_back(state: JobState, event: SlotBack, now: float) -> Decision:
+    """A lost slot has a machine again: the next node relaunch may move there."""
+    what = f"node slot {event.slot} has a machine again ({event.how})"
+    if event.slot not in state.removed_slots:
+        return _ignore(state, f"{what}: it was not given up: nothing to do")
+    if event.slot in state.node_slots.values():
+        return _ignore(state, f"{what}: a node runs on it already")
+    new = _changed(state, now)
+    new.removed_slots.remove(event.slot)
+    new.log_event("slot_back", f"{what}: a spare slot again", now)
+    logger.info("job %s: %s: a spare slot again", new.job_id, what)
+    return Decision(new, [])
+
+
 def handle_event(state: JobState, event: Event, *, now: float) -> Decision:
     """Decide what a worker exit or failure report means (rules in the module doc)."""
     if isinstance(event, StoreLost | NoLiveMember):
@@ -815,10 +844,12 @@ def handle_event(state: JobState, event: Event, *, now: float) -> Decision:
         return _node_lost(state, event, now)
     if isinstance(event, JoinOverdue):
         return _join_overdue(state, event, now)
+    if isinstance(event, SlotBack):
+        return _slot_back(state, event, now)
     if not isinstance(event, WorkerExited | WorkerReported):
         raise PolicyError(
-            "event must be WorkerExited, WorkerReported, StoreLost, NoLiveMember, NodeLost "
-            f"or JoinOverdue, got {type(event).__name__}"
+            "event must be WorkerExited, WorkerReported, StoreLost, NoLiveMember, NodeLost, "
+            f"JoinOverdue or SlotBack, got {type(event).__name__}"
         )
     w, inc = event.worker, event.incarnation
     what = f"worker {w} incarnation {inc} {event.describe()}"

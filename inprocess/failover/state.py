@@ -202,7 +202,8 @@ class JobState:
         job_restarts: cold restarts of the whole job so far.
         node_relaunches: node relaunches so far.
         node_slots: node -> slot it runs on now.
-        removed_slots: slots given up by relaunched nodes, in order; never reused.
+        removed_slots: slots given up by relaunched nodes, in order; reused only once a
+            machine is on one again (``policy.SlotBack``).
         node_failures: node -> failures since the node was (re)launched.
         worker_restarts: worker -> failures of that worker (each one a restart).
         workers: worker -> :class:`WorkerRecord`.

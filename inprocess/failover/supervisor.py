@@ -169,10 +169,13 @@ class Supervisor:
         controller_args: list[str],
         run_token: str,
         max_controller_restarts: int = MAX_CONTROLLER_RESTARTS,
+        pass_fds: tuple[int, ...] = (),
     ) -> None:
         self.state_dir = state_dir
         self.max_controller_restarts = max_controller_restarts
         self.controller_args = controller_args
+        #: descriptors every controller inherits (a job of several machines: its listener)
+        self.pass_fds = pass_fds
         self.run_token = run_token
         self.states = StateStore(state_dir)
         #: records how the job's orphans ended, for the next controller
@@ -370,7 +373,8 @@ class Supervisor:
         self._result_fd = read
         try:
             self.controller = subprocess.Popen(
-                [*args, "--result-fd", str(write), *self.controller_args], pass_fds=(write,)
+                [*args, "--result-fd", str(write), *self.controller_args],
+                pass_fds=(write, *self.pass_fds),
             )
         finally:
             os.close(write)

@@ -65,6 +65,7 @@ DEFAULT_BACKEND = "local"
 #: backend name -> "module:class" (imported when asked for)
 BACKENDS = {
     "local": "inprocess.failover.backends.local:LocalBackend",
+    "nodes": "inprocess.failover.backends.nodes:NodesBackend",  # one inprocess-run per machine
     "ray": "inprocess.failover.backends.ray:RayBackend",  # needs the ``ray`` extra
 }
 

@@ -32,21 +32,24 @@ import contextlib
 import dataclasses
 import logging
 import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import ray
 
-from ...userdir import user_dir
-from ..processes import process_start_time
-from ..standby import common_env
+from ..node_workers import (  # noqa: F401 (AGENT_DIR_PREFIX, remove_ended_agents_dirs: tests)
+    AGENT_DIR_PREFIX,
+    PLACEHOLDER_PID,
+    NodeWorkers,
+    remove_ended_agents_dirs,
+    split_worker_pid,
+    worker_pid,
+)
 from ..store_server import SpareStoreServer, StoreServer, start_store_server
 from . import ProcessExit, WorkerLaunch
 from .heartbeat import HeartbeatServer, HeartbeatWatch
-from .local import LocalBackend, kill_on_parent_death
+from .local import kill_on_parent_death
 
 log = logging.getLogger(__name__)
 
@@ -58,25 +61,6 @@ CALL_TIMEOUT = 30.0
 AGENT_START_TIMEOUT = 60.0
 #: how often the GCS is asked which nodes are dead
 NODE_CHECK_INTERVAL = 1.0
-#: Linux's pid_max is at most 2**22: a pid fits in this many bits
-PID_BITS = 23
-#: "pids" of workers that could not be started for want of a machine (above any real pid)
-PLACEHOLDER_PID = 1 << 22
-
-
-def worker_pid(slot: int, pid: int) -> int:
-    """The pid by which the controller knows process ``pid`` of node slot ``slot``.
-
-    Processes of different machines may have the same pid (containers number
-    theirs from 1), so the job layer sees a pid qualified by its slot; it is
-    also what ``state.json`` records. :func:`split_worker_pid` reverses it.
-    """
-    return (slot + 1) << PID_BITS | pid
-
-
-def split_worker_pid(qualified: int) -> tuple[int, int]:
-    """``(slot, pid on that slot's machine)`` of a pid from :func:`worker_pid`."""
-    return (qualified >> PID_BITS) - 1, qualified & ((1 << PID_BITS) - 1)
 
 
 def host_name(job_id: str) -> str:
@@ -91,35 +75,7 @@ def controller_name(job_id: str) -> str:
     return f"{job_id}/controller"
 
 
-#: a node agent's working directory in this user's private directory: ``agent-<pid>-*``
-AGENT_DIR_PREFIX = "agent-"
-
-
-def agent_dir() -> Path:
-    """A fresh working directory for this process's node agent, in this user's
-    private directory (else the temporary directory); first removes those of
-    agents that ended without :meth:`NodeAgent.shutdown` (killed with their actor)."""
-    try:
-        parent = user_dir()
-    except OSError:
-        return Path(tempfile.mkdtemp(prefix=f"inprocess-{AGENT_DIR_PREFIX}"))
-    remove_ended_agents_dirs(Path(parent))
-    return Path(tempfile.mkdtemp(prefix=f"{AGENT_DIR_PREFIX}{os.getpid()}-", dir=parent))
-
-
-def remove_ended_agents_dirs(parent: Path) -> None:
-    """Removes ``parent``'s agent directories whose process has ended (a pid that
-    lives, maybe reused, keeps its directory: a leftover, never a live one removed)."""
-    for path in parent.glob(f"{AGENT_DIR_PREFIX}*-*"):
-        pid = path.name[len(AGENT_DIR_PREFIX) :].split("-", 1)[0]
-        if not pid.isdigit() or not path.is_dir() or path.is_symlink():
-            continue
-        if int(pid) == os.getpid() or process_start_time(int(pid)) is not None:
-            continue
-        shutil.rmtree(path, ignore_errors=True)
-
-
-class NodeAgent:
+class NodeAgent(NodeWorkers):
     """Starts and watches the worker processes of one node (a Ray actor).
 
     Single-threaded (a plain Ray actor): its methods run one at a time, on the
@@ -129,14 +85,8 @@ class NodeAgent:
     """
 
     def __init__(self, job_id: str, slot: int) -> None:
+        super().__init__(slot)
         self.job_id = job_id
-        self.slot = slot
-        self._dir = agent_dir()
-        # never waits for a zygote: the controller's calls to this agent have a deadline
-        self._backend = LocalBackend(self._dir, die_with_parent=True, zygote_wait=0.0)
-        self._started: dict[int, float] = {}  # pid -> start time, of every worker started here
-        self._exits: dict[int, ProcessExit] = {}  # every exit seen here (for exit_of)
-        self._unreported: list[ProcessExit] = []
         # beats from a thread of its own: a busy method of this actor does not silence it
         self._heartbeat = HeartbeatServer(ray.util.get_node_ip_address())
 
@@ -150,68 +100,10 @@ class NodeAgent:
             "heartbeat": list(self._heartbeat.address),
         }
 
-    def start(self, launch: WorkerLaunch, env: dict[str, str]) -> tuple[int, float]:
-        """Starts a worker with this node's environment plus the job's ``env``."""
-        full_env = dict(os.environ)
-        full_env.update(env)
-        pid, start_time = self._backend.start(
-            WorkerLaunch(
-                worker=launch.worker,
-                incarnation=launch.incarnation,
-                node=launch.node,
-                slot=launch.slot,
-                argv=launch.argv,
-                env=full_env,
-                fresh=launch.fresh,
-            )
-        )
-        self._started[pid] = start_time
-        return pid, start_time
-
-    def keep_standbys(self, count: int, env: dict[str, str]) -> None:
-        """Keeps ``count`` warm standbys with this node's environment plus the job's
-        common ``env``; replaced in the background on every :meth:`poll`."""
-        full_env = dict(os.environ)
-        full_env.update(env)
-        self._backend.keep_standbys(self.slot, count, common_env(full_env))
-
-    def standbys(self) -> list[int]:
-        """Pids of this node's standbys (tests)."""
-        return self._backend.standbys.standbys(self.slot)
-
-    def poll(self) -> list[ProcessExit]:
-        """Exits seen since the last poll (never blocks)."""
-        self._collect()
-        exits, self._unreported = self._unreported, []
-        return exits
-
-    def _collect(self) -> None:
-        for exit_ in self._backend.wait(0):
-            self._exits[exit_.pid] = exit_
-            self._unreported.append(exit_)
-
-    def running(self, pid: int, start_time: float | None) -> bool:
-        return pid in self._started and process_start_time(pid) == start_time
-
-    def attach(self, pid: int, start_time: float) -> bool:
-        """Whether ``pid`` is a live worker of this agent (a new controller adopts it)."""
-        self._collect()
-        return self._started.get(pid) == start_time and pid not in self._exits
-
-    def exit_of(self, pid: int) -> ProcessExit | None:
-        self._collect()
-        return self._exits.get(pid)
-
-    def stop(self, pids: list[int], grace: float) -> None:
-        self._backend.stop([p for p in pids if p in self._started], grace)
-
     def shutdown(self, grace: float) -> None:
         """Stops every worker of this node (the job is over)."""
-        self._backend.stop(list(self._started), grace)
-        self._collect()
-        self._backend.close()
+        super().shutdown(grace)
         self._heartbeat.close()
-        shutil.rmtree(self._dir, ignore_errors=True)
 
 
 class JobHost:
