@@ -78,5 +78,5 @@ def test_a_lost_slot_with_a_machine_again_is_a_spare_for_the_next_loss():
     assert (relaunch.from_slot, relaunch.to_slot) == (2, 1)
     # a slot that was never given up, or that a node runs on: nothing to do
     only(sim.event(P.SlotBack(0, "joined")), P.Ignore)
-    with pytest.raises(P.PolicyError, match="SlotBack.how"):
+    with pytest.raises(P.PolicyError, match=r"SlotBack\.how"):
         P.SlotBack(0, "")
