@@ -211,8 +211,9 @@ class NodesBackend:
         self._stop = threading.Event()
         self._beats = threading.Thread(target=self._beat, name="inprocess-beat", daemon=True)
         self._beats.start()
-        # the agents of the start (or of the controller before a crash) come back first
-        self._await(set(self.config.joined), RECONNECT_WAIT)
+        # The machines the nodes run on come back first (they joined at the start, or
+        # reconnect after a controller's crash); a lost slot or a spare is not waited for.
+        self._await(set(state.node_slots.values()) - {self.config.own_slot}, RECONNECT_WAIT)
 
     # -- agents
 
