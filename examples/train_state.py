@@ -46,6 +46,16 @@ parser.add_argument(
     "--fault-every", type=int, default=0, help="raise on a random rank every N steps"
 )
 parser.add_argument("--seed", type=int, default=0)
+parser.add_argument(
+    "--snapshot-dir", default=None, help="persist snapshots here too (with --persist-every)"
+)
+parser.add_argument(
+    "--persist-every",
+    type=int,
+    default=None,
+    help="steps between two snapshots on disk; SIGUSR1 (Slurm's warning before the "
+    "end) persists the next one whatever the step",
+)
 args = parser.parse_args()
 
 RANK = int(os.environ["RANK"])
@@ -71,6 +81,8 @@ ms = datetime.timedelta(milliseconds=1)
     barrier_timeout=datetime.timedelta(seconds=120),
     termination_grace_time=datetime.timedelta(seconds=1),
     initialize=inprocess.initialize.RetryController(max_iterations=100),
+    snapshot_dir=args.snapshot_dir,
+    persist_every=args.persist_every,
 )
 def train(call_wrapper: inprocess.CallWrapper | None = None) -> dict[str, object]:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))

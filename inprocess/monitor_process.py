@@ -57,7 +57,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-from . import procfs
+from . import persist_signal, procfs
 from .node import NodeLeader, NodeMember, group_dir
 from .proctitle import set_title
 from .progress_watchdog import ProgressBoard, ring
@@ -876,6 +876,7 @@ def run(config: MonitorConfig, fds: _Fds) -> int:
     """The monitor process's life: connect, report ready, watch until done."""
     # Lifecycle is driven by the parent (pipe, pidfd), not by terminal signals.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    persist_signal.survive()  # (a scheduler's warning reaches every process of the job)
     # A fork of its rank would show the rank's command line: pgrep -f SCRIPT must
     # find the workers alone, so the title names the rank, never the script.
     set_title(

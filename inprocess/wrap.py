@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 from . import call_setup as _setup
 from . import generation as _gen
 from . import monitor_thread as _mt
-from . import protocol
+from . import persist_signal, protocol
 from . import records as _records
 from . import security as _security
 from .abort import Abort, AbortTorchDistributed
@@ -573,6 +573,7 @@ class CallWrapper:
         from .snapshot import Snapshots
 
         self._snapshots = Snapshots(c.snapshot_dir, c.persist_every, c.snapshot_staging)
+        persist_signal.install_in_rank()  # SIGUSR1 (the job ends soon): persist the next one
         cleanup.callback(self._snapshots.close)
         m = _setup.start_machinery(
             c,

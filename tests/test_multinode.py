@@ -259,7 +259,8 @@ def test_two_machines_keep_strangers_out_refuse_a_stranger_s_arguments_and_end_o
         tmp_path,
         ["--nnodes", "2", "--nproc-per-node", "1", "--standby", "0", "--rdzv-id", "mn-test",
          "--rdzv-timeout", "120"],
-        ["--steps", "100000", "--step-time", "0.05", "--result-dir", str(out)],
+        ["--steps", "100000", "--step-time", "0.05", "--result-dir", str(out),
+         "--snapshot-dir", str(tmp_path / "snapshots"), "--persist-every", "1000000"],
     )  # fmt: skip
     try:
         machines.start("coordinator", "--node-rank", "0", "--state-dir", str(tmp_path / "state"))
@@ -293,6 +294,28 @@ def test_two_machines_keep_strangers_out_refuse_a_stranger_s_arguments_and_end_o
         assert "this machine is one too many" in result.stderr
         step = _progress(out)
         _wait(lambda: _progress(out) >= step + 10, 120, "training after the refusals", machines)
+        # Slurm's warning before the end (--signal=USR1@N) reaches every process of
+        # the job: the machinery outlives it, each rank persists its next snapshot
+        # (whatever --persist-every says)
+        assert not list((tmp_path / "snapshots").glob("step-*"))
+        everyone = machines.processes()
+        names = {}
+        for p in everyone:
+            with contextlib.suppress(psutil.Error):
+                names[p.pid] = " ".join(p.cmdline())[:150]
+        for p in everyone:
+            with contextlib.suppress(psutil.Error):
+                p.send_signal(signal.SIGUSR1)
+        _wait(
+            lambda: list((tmp_path / "snapshots").glob("step-*/shard-0.done.json")),
+            60,
+            "a snapshot on disk after SIGUSR1",
+            machines,
+        )
+        step = _progress(out)
+        _wait(lambda: _progress(out) >= step + 10, 120, "training after SIGUSR1", machines)
+        dead = {pid: names.get(pid) for pid in (p.pid for p in everyone if not p.is_running())}
+        assert not dead, dead
         state = json.loads((tmp_path / "state" / "state.json").read_text())
         assert state["node_relaunches"] == 0 and sum(state["worker_restarts"].values()) == 0
         # SIGTERM to every launcher at once (scancel, a time limit): all end within 30 s

@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from .. import persist_signal
 from ..ownership import distrust_chain
 from ..proctitle import set_title
 from ..records import EVENTS_FILE, RECORDS_ENV, RESTARTS_FILE, records_distrust
@@ -265,6 +266,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return report_main(given[1:], prog="inprocess-run report")
     args = parser().parse_args(argv)
+    # Slurm's warning before the end (--signal=USR1@N) reaches every process of the
+    # job: the launcher (coordinator or node agent) outlives it, the ranks persist.
+    persist_signal.survive()
     if args.quiet:
         args.log_level = "ERROR"
     level = logging.getLevelName(str(args.log_level).upper())

@@ -39,7 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .. import procfs, protocol
+from .. import persist_signal, procfs, protocol
 from .. import records as _records
 from ..proctitle import set_title
 from ..protocol import incarnation_of, initial_rank_of
@@ -1066,6 +1066,7 @@ def main(argv: list[str] | None = None) -> int:
     # own (a SIGTERM the launcher forwards is then told from it at once). Set
     # before anything else; if the launcher is already gone, the signal would
     # never come: stop at once.
+    persist_signal.survive()  # (a scheduler's warning reaches every process of the job)
     expected = os.environ.get("INPROCESS_SUPERVISOR_PID")
     if not die_with_parent(LAUNCHER_DEATH_SIGNAL, int(expected) if expected else None):
         os.kill(os.getpid(), LAUNCHER_DEATH_SIGNAL)

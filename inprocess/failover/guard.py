@@ -27,6 +27,7 @@ from pathlib import Path
 
 import psutil
 
+from .. import persist_signal
 from ..proctitle import set_title
 from .runtime import controller_pid_path
 from .supervisor import GUARD_GRACE, RUN_TOKEN_ENV, end_processes, record_end, run_processes
@@ -52,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     set_title(f"inprocess-run guard of {state_dir} (launcher pid {supervisor})", "inproc-guard")
     for sig in (signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
+    persist_signal.survive()  # (a scheduler's warning reaches every process of the job)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s inprocess-run[guard] %(levelname)s %(message)s"
     )

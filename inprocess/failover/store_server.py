@@ -43,7 +43,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .. import procfs
+from .. import persist_signal, procfs
 from .runtime import exit_now, launcher_gone
 
 #: environment variable naming the process a store server ends with (``<pid>:<start
@@ -250,6 +250,7 @@ def _tie_to_parent(parent: int) -> bool:
 
 def main() -> int:
     host, ready_fd = sys.argv[1], int(sys.argv[2])
+    persist_signal.survive()  # (a scheduler's warning reaches every process of the job)
     port = int(sys.argv[3]) if len(sys.argv) > 3 else 0
     hold_fd = int(sys.argv[4]) if len(sys.argv) > 4 else None
     if hold_fd is not None and not _tie_to_parent(int(sys.argv[5])):

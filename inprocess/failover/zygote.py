@@ -57,6 +57,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from .. import persist_signal
 from ..preloaded import (
     ROOM_ENV,
     ROOM_SIZE,
@@ -378,6 +379,7 @@ def main(fd: int, parent: int, become_standby: Callable[[dict[str, str], int, in
     module's, which passes it: this module does not import that one).
     """
     die_with_parent(signal.SIGKILL)
+    persist_signal.survive()  # (its standbys too; a Wrapper rank takes the signal over)
     sock = socket.socket(fileno=fd)
     if os.getppid() != parent:  # the backend died before the tie was made
         return 0

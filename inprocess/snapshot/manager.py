@@ -399,7 +399,7 @@ class Snapshots:
         shard = 0 if self.replicated else self._rank
         ring = not self.replicated and self._world > 1 and self._group is not None
         p = self._persister
-        due = p is not None and p.due(step) and (not self.replicated or self._rank == 0)
+        due = p is not None and (not self.replicated or self._rank == 0) and p.due(step)
         if due and not self._root_ready:
             assert p is not None
             try:

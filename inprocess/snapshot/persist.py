@@ -61,7 +61,7 @@ import threading
 import time
 from typing import Any
 
-from .. import security
+from .. import persist_signal, security
 from ..exception import RestartAbort
 from ..ownership import distrust
 from . import layout
@@ -513,6 +513,11 @@ class Persister:
         self.written: list[int] = []
 
     def due(self, step: int) -> bool:
+        """Whether ``step``'s snapshot goes to disk: every ``persist_every`` steps, and
+        the next one after a request (SIGUSR1: the job ends soon)."""
+        if persist_signal.take():
+            log.warning("persisting the snapshot of step %d: asked by SIGUSR1", step)
+            return True
         return step % self.every == 0
 
     def busy(self) -> bool:
