@@ -30,7 +30,7 @@ from inprocess.failover.backends.nodes import Acceptor
 REPO = Path(__file__).resolve().parent.parent
 TRAIN_STATE = REPO / "examples" / "train_state.py"
 RUN = [sys.executable, "-m", "inprocess.failover.cli"]
-MARKER = "INPROCESS_TEST_MULTINODE"
+MARKER = "TEST_MULTINODE_MARKER"  # (not INPROCESS_*: the job sends those to every machine)
 
 
 def _secret() -> str:
@@ -200,10 +200,12 @@ class Machines:
         self.script_args = script_args
         self.launchers: dict[str, subprocess.Popen] = {}
 
-    def start(self, name: str, *flags: str, env: dict[str, str] | None = None) -> None:
+    def start(
+        self, name: str, *flags: str, env: dict[str, str] | None = None, script: Path = TRAIN_STATE
+    ) -> None:
         with open(self.tmp / f"{name}.log", "wb") as log:
             self.launchers[name] = subprocess.Popen(
-                [*RUN, *self.common, *flags, str(TRAIN_STATE), *self.script_args],
+                [*RUN, *self.common, *flags, str(script), *self.script_args],
                 env=env or self.env, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True, cwd=REPO,
             )  # fmt: skip
@@ -328,4 +330,56 @@ def test_two_machines_keep_strangers_out_refuse_a_stranger_s_arguments_and_end_o
         assert machines.launchers["agent"].returncode == 128 + signal.SIGTERM
         _wait(lambda: not machines.processes(), 10, "every process of the job gone", machines)
     finally:
+        machines.kill_all()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_coordinator_s_machine_lost_ends_every_other_machine_with_one_line(tmp_path):
+    """No separate coordinator host: its machine's loss (every process of it killed
+    at once) ends the other machines' agents and workers, each with one clear line
+    and an exit code a requeue can act on (surviving it is etcd's business)."""
+    from inprocess.failover.node_agent import COORDINATOR_LOST_EXIT, RECONNECT_GRACE
+
+    sleeper = tmp_path / "sleeper.py"
+    sleeper.write_text("import time\ntime.sleep(600)\n")  # no torch: a cheap machine
+    machines = Machines(
+        tmp_path,
+        ["--nnodes", "2", "--nproc-per-node", "1", "--standby", "0", "--rdzv-timeout", "120"],
+        [],
+    )
+    coordinator_env = dict(machines.env, **{MARKER: machines.marker + "-coordinator"})
+    try:
+        machines.start(
+            "coordinator", "--node-rank", "0", "--state-dir", str(tmp_path / "state"),
+            env=coordinator_env, script=sleeper,
+        )  # fmt: skip
+        machines.start("agent", "--node-rank", "1", script=sleeper)
+
+        def both_running() -> bool:
+            with contextlib.suppress(OSError, ValueError):
+                state = json.loads((tmp_path / "state" / "state.json").read_text())
+                return all(w["status"] == "running" for w in state["workers"].values())
+            return False
+
+        _wait(both_running, 120, "both machines' workers", machines)
+        agent_side = machines.processes()  # the agent and its worker
+        assert len(agent_side) >= 2
+        for p in psutil.process_iter():
+            with contextlib.suppress(psutil.Error):
+                if p.environ().get(MARKER) == coordinator_env[MARKER]:
+                    p.kill()
+        lost_at = time.monotonic()
+        agent = machines.launchers["agent"]
+        agent.wait(RECONNECT_GRACE + 60)
+        assert agent.returncode == COORDINATOR_LOST_EXIT, machines.log("agent")
+        assert time.monotonic() - lost_at < RECONNECT_GRACE + 30
+        lines = [x for x in machines.log("agent").splitlines() if "ERROR" in x]
+        assert len(lines) == 1 and "the job's coordinator at 127.0.0.1" in lines[0], lines
+        _wait(lambda: not machines.processes(), 15, "the agent's worker gone", machines)
+    finally:
+        for p in psutil.process_iter():
+            with contextlib.suppress(psutil.Error):
+                if p.environ().get(MARKER) == coordinator_env[MARKER]:
+                    p.kill()
         machines.kill_all()
