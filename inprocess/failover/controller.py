@@ -32,10 +32,8 @@ import re
 import select
 import signal
 import sys
-import tempfile
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,9 +41,9 @@ from .. import persist_signal, procfs, protocol
 from .. import records as _records
 from ..proctitle import set_title
 from ..protocol import incarnation_of, initial_rank_of
-from ..security import keyed_namespace
 from . import policy
 from .backends import DEFAULT_BACKEND, Backend, ProcessExit, WorkerLaunch, create_backend
+from .bounded_calls import BoundedCalls
 from .console import worker_output
 from .policy import (
     Action,
@@ -70,10 +68,13 @@ from .runtime import (
     die_with_parent,
     exit_now,
     signal_exit_code,
+    supervisor_gone,
+    write_pid_file,
 )
 from .standby import common_env
 from .state import JobState, Stage, StateStore, WorkerStatus
 from .store_server import SpareStoreServer, StoreServer, start_store_server
+from .worker_env import namespace, worker_env
 
 __all__ = ["Controller", "controller_pid_path", "main", "namespace", "signal_exit_code"]
 
@@ -103,14 +104,6 @@ _ABORT_PREFIX = protocol.TERMINATED_PREFIX + "RestartAbort"
 _LIMIT = re.compile(r"\bmax_restarts=|_max_\w+=|max_relaunches=|max_failures=")
 
 
-def namespace(job_id: str, generation: int) -> str:
-    """Store namespace of a generation's Wrapper keys (``INPROCESS_STORE_NAMESPACE``).
-
-    Keyed with the job's secret: a store client without it cannot name them.
-    """
-    return keyed_namespace(f"{job_id}/g{generation}")
-
-
 class Controller:
     """Runs the job described by ``<state_dir>/state.json``."""
 
@@ -126,7 +119,7 @@ class Controller:
         #: the first call of the Wrapper job not known to be over: read with the latest
         self._first_call = 0
         self._stop_signal: int | None = None
-        self._reads = _BoundedCalls()
+        self._reads = BoundedCalls()
         self._store_fd: int | None = None  # pidfd of the store server
         self._store_stopped_since: float | None = None
         self._no_member_since: float | None = None
@@ -174,7 +167,7 @@ class Controller:
     # ---------------------------------------------------------------- main loop
 
     def run(self, recovering: bool) -> int:
-        _write_pid_file(controller_pid_path(self.state_dir))
+        write_pid_file(controller_pid_path(self.state_dir))
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, LAUNCHER_DEATH_SIGNAL):
             signal.signal(sig, self._on_signal)
         if self.spec.standby > 0:
@@ -238,7 +231,7 @@ class Controller:
             return signal_exit_code(signum), f"stopped by {signal.Signals(signum).name}"
         # Sent by the kernel when the thread that started us ended: a killed
         # launcher's other threads can keep it our parent a moment longer.
-        if _launcher_gone(wait=1.0):
+        if supervisor_gone(wait=1.0):
             return policy.FAILURE_EXIT_CODE, "inprocess-run died: stopping the job"
         log.warning("%s, but inprocess-run is alive: ignored", signal.Signals(signum).name)
         self._stop_signal = None
@@ -851,36 +844,17 @@ class Controller:
         )
 
     def worker_env(self, worker: int, incarnation: int, slot: int) -> dict[str, str]:
-        """A worker's environment. Before the store server is up (a standby's
-        environment: :func:`common_env` drops them) the store's variables are empty."""
-        spec, server = self.spec, self.server
-        env = dict(os.environ)
-        env.update(
-            RANK=str(worker),
-            LOCAL_RANK=str(spec.local_rank_of(worker)),
-            WORLD_SIZE=str(spec.world_size),
-            LOCAL_WORLD_SIZE=str(spec.nproc_per_node),
-            GROUP_RANK=str(spec.node_of(worker)),
-            GROUP_WORLD_SIZE=str(spec.nnodes),
-            ROLE_NAME="default",
-            ROLE_RANK=str(worker),
-            ROLE_WORLD_SIZE=str(spec.world_size),
-            MASTER_ADDR=server.host if server is not None else "",
-            MASTER_PORT=str(server.port) if server is not None else "",
-            TORCHELASTIC_USE_AGENT_STORE="True",
-            TORCHELASTIC_RUN_ID=spec.job_id,
-            TORCHELASTIC_RESTART_COUNT=str(self.state.generation),
-            TORCHELASTIC_MAX_RESTARTS=str(spec.job_max_restarts),
-            INPROCESS_JOB_ID=spec.job_id,
-            INPROCESS_STORE_NAMESPACE=namespace(spec.job_id, self.state.generation),
-            INPROCESS_WORKER_INCARNATION=str(incarnation),
-            INPROCESS_NODE_SLOT=str(slot),
+        """A worker's environment (:func:`.worker_env.worker_env`)."""
+        server = self.server
+        return worker_env(
+            self.spec,
+            self.state.generation,
+            (server.host, server.port) if server is not None else None,
+            self.state_dir,
+            worker,
+            incarnation,
+            slot,
         )
-        env.setdefault("OMP_NUM_THREADS", "1")
-        # The Wrapper's restart records go to the state dir, unless the user chose a file.
-        records = self.state_dir.absolute() / _records.RESTARTS_FILE
-        env.setdefault(_records.RECORDS_ENV, str(records))
-        return env
 
     def stop_workers(self, workers: list[int]) -> None:
         pids = [
@@ -963,45 +937,6 @@ def _import_store_client() -> None:
         import torch.distributed  # noqa: F401
 
 
-class _BoundedCalls:
-    """Runs blocking calls (store reads) on a daemon thread, waiting a bounded time.
-
-    A TCPStore client call blocks as long as its server does not answer (a
-    SIGSTOPped server: forever), whatever the client's timeout; the
-    controller's loop must never block on it.
-
-    Invariant: at most one call is in flight. A call that does not return in
-    time is left to finish on its thread (it does once the server is killed
-    or continues), and no other call is made until it has.
-    """
-
-    def __init__(self) -> None:
-        self._pending: threading.Thread | None = None
-
-    def call(self, fn: Callable[[], Any], timeout: float) -> tuple[bool, Any]:
-        """``(True, fn())``, or ``(False, None)`` if it did not return within ``timeout``."""
-        if self._pending is not None and self._pending.is_alive():
-            return False, None
-        box: dict[str, Any] = {}
-
-        def run() -> None:
-            try:
-                box["value"] = fn()
-            except BaseException as ex:  # handed over to the caller
-                box["error"] = ex
-
-        thread = threading.Thread(target=run, name="inprocess-store-read", daemon=True)
-        thread.start()
-        thread.join(timeout)
-        if thread.is_alive():
-            self._pending = thread
-            return False, None
-        self._pending = None
-        if "error" in box:
-            raise box["error"]
-        return True, box.get("value")
-
-
 def _process_stopped(pid: int) -> bool:
     """Whether ``pid`` is stopped (SIGSTOP, SIGTSTP, a tracer)."""
     return procfs.process_stopped(pid)
@@ -1010,38 +945,6 @@ def _process_stopped(pid: int) -> bool:
 def _exit_of(status: int) -> tuple[int | None, int | None]:
     code = os.waitstatus_to_exitcode(status)
     return (code, None) if code >= 0 else (None, -code)
-
-
-def _write_pid_file(path: Path) -> None:
-    """Atomically, through a fresh temp file (mkstemp: O_EXCL, never a planted symlink)."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(f"{os.getpid()}\n")
-        os.replace(tmp, path)  # replaces a symlink at ``path`` itself, never its target
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
-def _launcher_gone(wait: float = 0.0) -> bool:
-    """Whether the supervisor that started us (``INPROCESS_SUPERVISOR_PID``) is gone,
-    waiting up to ``wait`` seconds for it to go.
-
-    The kernel sends the death signal when the supervisor's *thread* that started
-    us ends; a killed supervisor with other threads (its console) is still our
-    parent for a moment after that, until its last thread is gone.
-    """
-    expected = os.environ.get("INPROCESS_SUPERVISOR_PID")
-    if not expected:
-        return False
-    deadline = time.monotonic() + wait
-    while os.getppid() == int(expected):
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,8 +7,11 @@ import this module; it imports none of them (no import circle between them).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
+import tempfile
+import time
 from pathlib import Path
 
 from .. import procfs
@@ -23,6 +26,8 @@ __all__ = [
     "launcher_identity",
     "libc",
     "signal_exit_code",
+    "supervisor_gone",
+    "write_pid_file",
 ]
 
 _PR_SET_PDEATHSIG = 1
@@ -70,3 +75,35 @@ def die_with_parent(sig: int, expected_parent: int | None) -> bool:
     if libc().prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
     return expected_parent is None or os.getppid() == expected_parent
+
+
+def write_pid_file(path: Path) -> None:
+    """Atomically, through a fresh temp file (mkstemp: O_EXCL, never a planted symlink)."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{os.getpid()}\n")
+        os.replace(tmp, path)  # replaces a symlink at ``path`` itself, never its target
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def supervisor_gone(wait: float = 0.0) -> bool:
+    """Whether the supervisor that started us (``INPROCESS_SUPERVISOR_PID``) is gone,
+    waiting up to ``wait`` seconds for it to go.
+
+    The kernel sends the death signal when the supervisor's *thread* that started
+    us ends; a killed supervisor with other threads (its console) is still our
+    parent for a moment after that, until its last thread is gone.
+    """
+    expected = os.environ.get("INPROCESS_SUPERVISOR_PID")
+    if not expected:
+        return False
+    deadline = time.monotonic() + wait
+    while os.getppid() == int(expected):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+    return True
