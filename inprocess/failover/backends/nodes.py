@@ -207,6 +207,8 @@ class NodesBackend:
         self._placeholders = 0
         self._lost_slots: set[int] = set()  # slots whose machine was lost (free for another)
         self._back: list[tuple[int, str]] = []  # lost slots with a machine again, unreported
+        #: slot -> (count, env) of the standbys the controller wants there
+        self._standbys: dict[int, tuple[int, dict[str, str]]] = {}
         self._base_env = dict(os.environ)
         self._stop = threading.Event()
         self._beats = threading.Thread(target=self._beat, name="inprocess-beat", daemon=True)
@@ -266,6 +268,8 @@ class NodesBackend:
             self._agents[slot] = _Agent(slot, link, agent_id, str(hello.get("name", shake.peer)))
         if old is not None:
             old.link.close()
+        if slot in self._standbys:
+            self._send_standbys(slot)
         if slot in self._lost_slots:
             self._lost_slots.discard(slot)
             self._back.append((slot, f"machine {hello.get('name', shake.peer)} joined"))
@@ -420,11 +424,17 @@ class NodesBackend:
         if not self._remote(slot):
             self.local.keep_standbys(slot, count, env)
             return
+        # kept for a machine that joins later (a hot spare, a requeued one): warm at once
+        self._standbys[slot] = (count, self._job_env(env))
         if slot in self._agents:
-            try:
-                self._call(slot, "keep_standbys", count, self._job_env(env))
-            except (LinkError, RuntimeError) as ex:
-                log.warning("no standbys on node slot %d: %s", slot, ex)
+            self._send_standbys(slot)
+
+    def _send_standbys(self, slot: int) -> None:
+        count, env = self._standbys[slot]
+        try:
+            self._call(slot, "keep_standbys", count, env)
+        except (LinkError, RuntimeError) as ex:
+            log.warning("no standbys on node slot %d: %s", slot, ex)
 
     def started_warm(self, pid: int) -> bool:
         slot, local = split_worker_pid(pid)
