@@ -162,3 +162,30 @@ def test_a_3_plus_1_machine_srun_job_survives_worker_kill_machine_loss_and_contr
     assert all(r["redone_steps"] == 0 for r in restores), restores
     # every launcher is done: nothing of the job is left on any machine
     assert not [p for p in slurm_cluster.processes() if "train_state" in " ".join(p.cmdline())]
+
+
+@pytest.mark.timeout(600)
+def test_a_wrapper_script_started_by_srun_directly_takes_its_ranks_from_slurm(slurm_cluster):
+    """No launcher: ``srun -N2 --ntasks-per-node=2 python script``; the Wrapper fills
+    RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT from Slurm, and restarts
+    in-process after a rank's exception."""
+    env = dict(
+        slurm_cluster.env,
+        PYTHONPATH=str(REPO),
+        RES_OPTIONS="timeout:1 attempts:1",
+        PYTHONWARNINGS="ignore:Failed to initialize NumPy",
+    )
+    script = REPO / "tests" / "workers" / "srun_direct.py"
+    result = slurm_cluster.run(
+        ["srun", "-N2", "--ntasks-per-node=2", sys.executable, str(script)],
+        env=env, cwd=REPO, timeout=540, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    lines = sorted(x for x in result.stdout.splitlines() if x.startswith("task "))
+    assert len(lines) == 4, result.stdout + result.stderr[-3000:]
+    for task, line in enumerate(lines):
+        words = line.split()
+        assert words[1] == str(task) and words[3] == str(task) and words[5] == "4", line
+        assert words[7] == str(task % 2), line  # local rank: 2 tasks per node
+        assert words[9].startswith("n1:"), line  # the step's first node hosts the store
+        assert words[11] == "4" and words[13] == "1", line  # all 4 back after one restart
