@@ -28,6 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .. import persist_signal
+from ..node import NODE_ENV
 from ..ownership import distrust_chain
 from ..proctitle import set_title
 from ..records import EVENTS_FILE, RECORDS_ENV, RESTARTS_FILE, records_distrust
@@ -307,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
                 if mn.node_rank == 0 or args.coordinator_only:
                     return _error(str(ex))
         agent = listener is None
+        # this machine's name for its workers (Slurm's nodes may share a host name)
+        os.environ.setdefault(NODE_ENV, mn.node_name or multinode.machine_name())
         if not agent and args.master_addr is None:
             args.master_addr = mn.coordinator_host
     if args.max_controller_restarts < 0:

@@ -35,6 +35,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
+from ..node import NODE_ENV
 from ..security import JOB_SECRET_ENV
 from . import cluster_env
 from .backends.nodes import SURPLUS, NodesConfig, difference
@@ -361,7 +362,7 @@ def run_agent(args: argparse.Namespace, mn: MultiNodeArgs, log_level: str) -> in
     )
     os.environ[RUN_TOKEN_ENV] = _secrets.token_hex(16)
     name = mn.node_name or machine_name()
-    os.environ.setdefault("INPROCESS_NODE", name)  # (machines may share a host name)
+    os.environ.setdefault(NODE_ENV, name)  # (machines may share a host name)
     with contextlib.suppress(OSError):
         user_dir()
     set_title(f"inprocess-run node agent of job {mn.job_id or '?'}")

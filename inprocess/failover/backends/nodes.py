@@ -46,6 +46,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ...node import NODE_ENV
 from ...security import JOB_SECRET_ENV
 from ..link import BEAT_INTERVAL, Handshake, Link, LinkError, accept
 from ..node_workers import PLACEHOLDER_PID, split_worker_pid, worker_pid
@@ -74,7 +75,7 @@ MACHINE_ENV = (
     "INPROCESS_LAUNCHER",
     "INPROCESS_STORE_OWNER",
     "INPROCESS_USER_DIR",
-    "INPROCESS_NODE",
+    NODE_ENV,
     LISTEN_FD_ENV,
 )
 #: the arguments every machine of a job must agree on (hello key -> flag shown)
