@@ -326,8 +326,11 @@ class NodesBackend:
         self._admit_waiting()
         links = {a.link: slot for slot, a in self._agents.items()}
         if links:
+            poller = select.poll()  # (no FD_SETSIZE limit: a job may have many machines)
+            for link in links:
+                poller.register(link.fileno(), select.POLLIN)
             with contextlib.suppress(InterruptedError):
-                select.select(list(links), [], [], timeout)
+                poller.poll(timeout * 1000)
         elif timeout > 0:
             time.sleep(timeout)
         now = time.monotonic()
@@ -359,6 +362,10 @@ class NodesBackend:
             LinkError: no agent, or it was lost before answering.
             RuntimeError: the agent could not do it (its error).
         """
+        return self._result(slot, self._request(slot, method, *args), method, timeout)
+
+    def _request(self, slot: int, method: str, *args: Any) -> int:
+        """Sends a request to the agent of ``slot``; its id (for :meth:`_result`)."""
         agent = self._agents.get(slot)
         if agent is None:
             raise LinkError(f"no machine on node slot {slot}")
@@ -369,6 +376,13 @@ class NodesBackend:
         except LinkError as ex:
             self._lose(slot, str(ex))
             raise
+        return ident
+
+    def _result(self, slot: int, ident: int, method: str, timeout: float) -> Any:
+        """The answer to request ``ident`` of the agent of ``slot`` (see :meth:`_call`)."""
+        agent = self._agents.get(slot)
+        if agent is None and ident not in self._responses:
+            raise LinkError(f"node slot {slot} was lost")
         deadline = time.monotonic() + timeout
         while ident not in self._responses:
             if self._agents.get(slot) is not agent:
@@ -485,12 +499,17 @@ class NodesBackend:
             slot, local = split_worker_pid(pid)
             by_slot.setdefault(slot, []).append(local)
         own = by_slot.pop(self.config.own_slot, None) if self.config.own_slot is not None else None
+        # every machine stops its workers at once: the requests first, then the answers
+        asked = {}
         for slot, local_pids in by_slot.items():
             if slot in self._agents:
-                try:
-                    self._call(slot, "stop", local_pids, grace, timeout=grace + CALL_TIMEOUT)
-                except (LinkError, RuntimeError) as ex:
-                    log.warning("cannot stop the workers of node slot %d: %s", slot, ex)
+                with contextlib.suppress(LinkError):
+                    asked[slot] = self._request(slot, "stop", local_pids, grace)
+        for slot, ident in asked.items():
+            try:
+                self._result(slot, ident, "stop", grace + CALL_TIMEOUT)
+            except (LinkError, RuntimeError) as ex:
+                log.warning("cannot stop the workers of node slot %d: %s", slot, ex)
         if own:
             self.local.stop(own, grace)
 
