@@ -29,6 +29,7 @@ import threading
 import time
 from typing import Any
 
+from ..proctitle import set_title
 from .backends import ProcessExit, WorkerLaunch
 from .link import BEAT_INTERVAL, Link, LinkError, Refused, connect
 from .node_workers import NodeWorkers
@@ -107,6 +108,7 @@ class NodeAgent:
                 continue
             self.slot = int(reply["slot"])
             self.hello["slot"] = self.slot  # a reconnect claims the same slot
+            set_title(f"inprocess-run node agent of job {reply.get('job')} (slot {self.slot})")
             if reply.get("reconnect"):
                 # joined at the start: the controller takes over once every machine is in
                 # (the coordinator waits up to the same time for the last machine)
