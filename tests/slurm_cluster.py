@@ -64,6 +64,11 @@ DEFAULT_CPUS = 4
 START_TIMEOUT = 120.0
 
 
+#: torch.distributed's variables: never passed to the cluster's tasks from here
+TORCH_DISTRIBUTED_ENV = (
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+    "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
+)  # fmt: skip
 #: where the node names are made to resolve, and the tag of the lines added there
 HOSTS_FILE = "/etc/hosts"
 HOSTS_TAG = "# inprocess test slurm cluster of pid "
@@ -162,7 +167,13 @@ class SlurmCluster:
         self.conf = self.dir / "slurm.conf"
         #: ``srun -N4 ...`` names nodes n1..nN
         self.node_names = [f"n{i}" for i in range(1, nodes + 1)]
-        base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_"))}
+        # (nor what a launcher or an earlier test of this process set: a task reads them)
+        base = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("SLURM_", "SBATCH_", "PET_", "TORCHELASTIC_", "INPROCESS_"))
+            and k not in TORCH_DISTRIBUTED_ENV
+        }
         #: the environment for srun/sbatch/sinfo/squeue/scancel (and what their tasks inherit)
         self.env: dict[str, str] = {**base, "SLURM_CONF": str(self.conf), MARKER: str(self.dir)}
         self._daemons: list[tuple[str, subprocess.Popen]] = []

@@ -4,7 +4,6 @@ a handler of the user's own is kept."""
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -62,4 +61,3 @@ def test_a_request_makes_the_next_step_due_once(tmp_path):
         assert persister.due(200)
     finally:
         persister.close()
-    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # (this process untouched)

@@ -502,6 +502,12 @@ class _Unsupported(argparse.Action):
 def _nnodes(text: str) -> str:
     """A number of nodes, or ``MIN:MAX`` (checked here, read by :func:`_node_counts`)."""
     try:
+        value = int(text)
+    except ValueError:
+        pass
+    else:
+        _in_range(value, 1, MAX_NODES, text)
+    try:
         nnodes_range(text)
     except ValueError as ex:
         raise argparse.ArgumentTypeError(str(ex).removeprefix(f"--nnodes={text!r}: ")) from None
