@@ -455,6 +455,8 @@ class MonitorThread(threading.Thread):
                 log.error("monitor thread cannot read the store: %s", ex)
                 cause = f"store error: {ex}"
             if cause is None:
+                if armed.in_function:
+                    prefetch_gloo_addresses()
                 continue
             # While the rank is in its function the iteration cannot complete,
             # so no proposal of the outcome is needed (one store operation per
@@ -605,6 +607,25 @@ class MonitorThread(threading.Thread):
                     self.on_resend()
                 except Exception:
                     log.exception("releasing the main thread again failed")
+
+
+def prefetch_gloo_addresses() -> None:
+    """Reads ahead, in the background, the addresses the abort needs to release a
+    collective blocked in a gloo group (:func:`inprocess.abort.gloo.prefetch`),
+    so that the restart opens no store connection for them.
+
+    Called each interval while the function runs: cheap once every group is
+    read (no store operation, no thread), never raises, and does nothing in a
+    process that has not imported ``torch.distributed`` (nor imports it).
+    """
+    if "torch.distributed" not in sys.modules:
+        return
+    try:
+        from .abort import gloo
+
+        gloo.prefetch()
+    except Exception as ex:  # the abort reads them itself
+        log.debug("cannot read gloo addresses ahead: %s", str(ex))
 
 
 class _ImportWait:

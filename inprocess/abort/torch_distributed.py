@@ -44,8 +44,9 @@ class AbortTorchDistributed(Abort):
     def __call__(self, state: State) -> State:
         import torch.distributed as dist
 
-        # Order matters: the gloo release reads the peers' addresses through the
-        # group's store connection, which the rendezvous release then breaks.
+        # Order matters: the gloo release reads the peers' addresses from the
+        # group's store (through the group's connection where it cannot open one of
+        # its own), whose connections the rendezvous release then breaks.
         with self._lock:
             initialized = dist.is_available() and dist.is_initialized()
             if initialized:
