@@ -183,6 +183,18 @@ def test_a_job_of_several_machines_needs_a_secret_and_a_reachable_coordinator(tm
     result = _run(["--coordinator-only", script], _env(INPROCESS_JOB_SECRET=_secret()))
     assert result.returncode == 2
     assert "--coordinator-only needs a job of several machines" in result.stderr
+    # a coordinator whose machines do not all come: one line naming the missing ones
+    coordinator = ["--nnodes", "3", "--node-rank", "0", "--rdzv-endpoint", f"127.0.0.1:{port}"]
+    result = _run(
+        [*coordinator, "--rdzv-timeout", "2", "--state-dir", str(tmp_path / "s"), script],
+        _env(INPROCESS_JOB_SECRET=_secret()),
+    )
+    assert result.returncode == 2, result.stderr
+    assert (
+        "only 1 of the 3 machines of the job joined within --rdzv-timeout 2s "
+        "(missing node rank(s) 1, 2)"
+    ) in result.stderr
+    assert not (tmp_path / "s").exists()  # nothing of the job was made
 
 
 # -- a job of two machines --------------------------------------------------------
