@@ -330,9 +330,11 @@ def test_apply_slurm_task_env_fills_a_mapping():
 def test_wrapper_reads_the_slurm_task_env(monkeypatch):
     """A Wrapper built in a task of srun fills the variables before anything reads
     them: its device checks already see LOCAL_RANK, its call RANK and WORLD_SIZE."""
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    # (set, then deleted: so that what the Wrapper sets is removed again at the end;
+    # a delenv of an absent variable alone records nothing to undo)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR"):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     monkeypatch.setenv("MASTER_PORT", "29999")
     for name, value in {**TASK, "SLURM_LOCALID": "1", "SLURM_NODEID": "0"}.items():
         monkeypatch.setenv(name, value)
