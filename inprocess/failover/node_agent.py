@@ -180,11 +180,7 @@ class NodeAgent:
         try:
             link = self._connect(time.monotonic() + self.connect_timeout, first=True)
         except Refused as ex:
-            if ex.surplus:  # not a failure: the job runs without this machine
-                log.warning("not needed by the job at %s: %s", self.where, ex)
-                return 0
-            log.error("the coordinator at %s refused this machine: %s", self.where, ex)
-            return REFUSED_EXIT
+            return self._refused(ex)
         if link is None:
             if self._signal is not None:
                 return signal_exit_code(self._signal)
@@ -309,11 +305,7 @@ class NodeAgent:
         try:
             link = self._connect(time.monotonic() + RECONNECT_GRACE, first=False)
         except Refused as ex:
-            if ex.surplus:  # not a failure: the job runs without this machine
-                log.warning("not needed by the job at %s: %s", self.where, ex)
-                return 0
-            log.error("the coordinator at %s refused this machine: %s", self.where, ex)
-            return REFUSED_EXIT
+            return self._refused(ex)
         if link is None:
             if self._signal is not None:
                 return self._stopped_by_signal()
@@ -326,6 +318,14 @@ class NodeAgent:
             return COORDINATOR_LOST_EXIT
         self._use(link)
         return None
+
+    def _refused(self, ex: Refused) -> int:
+        """This launcher's exit code when the coordinator refused it."""
+        if ex.surplus:  # not a failure: the job runs without this machine
+            log.warning("not needed by the job at %s: %s", self.where, ex)
+            return 0
+        log.error("the coordinator at %s refused this machine: %s", self.where, ex)
+        return REFUSED_EXIT
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self._signal = signum

@@ -18,6 +18,7 @@ thread that forked them.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -88,16 +89,9 @@ class NodeWorkers:
         """Starts a worker with this machine's environment plus the job's ``env``."""
         full_env = dict(os.environ)
         full_env.update(env)
+        # (the console's output: this machine's own; files of the coordinator's are not here)
         pid, start_time = self._backend.start(
-            WorkerLaunch(
-                worker=launch.worker,
-                incarnation=launch.incarnation,
-                node=launch.node,
-                slot=launch.slot,
-                argv=launch.argv,
-                env=full_env,
-                fresh=launch.fresh,
-            )
+            dataclasses.replace(launch, env=full_env, stdout=None, stderr=None)
         )
         self._started[pid] = start_time
         return pid, start_time

@@ -181,8 +181,15 @@ class Acceptor:
             self.joins.put((shake, hello))
 
     def close(self) -> None:
+        """Stops accepting; the handshakes nobody answered are closed."""
         self._stop.set()
         self._thread.join()
+        while True:
+            try:
+                shake, _ = self.joins.get_nowait()
+            except queue.Empty:
+                return
+            shake.sock.close()
 
 
 class NodesBackend:
