@@ -208,6 +208,8 @@ class Job:
             if node_rank == 0:
                 cmd += ["--state-dir", str(self.state_dir)]
             script = "train_state.py"
+            if not self.args.tuned:
+                job.append("--wrapper-defaults")  # what a user gets: the Wrapper's defaults
             env = {"INPROCESS_JOB_SECRET": self.secret}
         else:
             if self.system == "ft_launcher":
@@ -669,6 +671,11 @@ def shown(path: Path) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--losses", type=int, default=5, help="machine losses per system")
+    parser.add_argument(
+        "--tuned",
+        action="store_true",
+        help="the example's short Wrapper intervals (default: the Wrapper's defaults)",
+    )
     parser.add_argument("--worker-kills", type=int, default=2, help="worker SIGKILLs per system")
     parser.add_argument("--steps", type=int, default=1_000_000, help="job length (stopped early)")
     parser.add_argument("--step-time", type=float, default=0.05, help="seconds per step")

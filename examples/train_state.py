@@ -47,6 +47,11 @@ parser.add_argument(
 )
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument(
+    "--wrapper-defaults",
+    action="store_true",
+    help="the Wrapper's default settings (default: this example's short intervals)",
+)
+parser.add_argument(
     "--snapshot-dir", default=None, help="persist snapshots here too (with --persist-every)"
 )
 parser.add_argument(
@@ -70,7 +75,7 @@ COMPLETED = [0]  # the most steps this process completed: what a restore sends i
 ms = datetime.timedelta(milliseconds=1)
 
 
-@inprocess.Wrapper(
+SHORT_INTERVALS = dict(
     monitor_thread_interval=50 * ms,
     monitor_process_interval=50 * ms,
     progress_watchdog_interval=50 * ms,
@@ -81,6 +86,11 @@ ms = datetime.timedelta(milliseconds=1)
     barrier_timeout=datetime.timedelta(seconds=120),
     termination_grace_time=datetime.timedelta(seconds=1),
     initialize=inprocess.initialize.RetryController(max_iterations=100),
+)
+
+
+@inprocess.Wrapper(
+    **({} if args.wrapper_defaults else SHORT_INTERVALS),
     snapshot_dir=args.snapshot_dir,
     persist_every=args.persist_every,
 )
