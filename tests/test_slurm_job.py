@@ -130,8 +130,11 @@ def test_a_3_plus_1_machine_srun_job_survives_worker_kill_machine_loss_and_contr
         job.wait(lambda: job.full_size_since(killed_at), 120, "full size after the kill")
         # 2. a machine's loss: node 2's launcher and its workers, killed together
         agent = _agent_of(job.worker_pid(2))
+        machine = [agent, *agent.children(recursive=True)]  # workers, standby, zygote
         lost_at = time.time()
-        agent.kill()
+        for process in machine:  # every process of the machine at once
+            with contextlib.suppress(psutil.Error):
+                process.kill()
         job.wait(lambda: job.state()["node_relaunches"] == 1, 60, "the node's relaunch")
         job.wait(lambda: job.full_size_since(lost_at), 120, "full size on the spare")
         assert job.state()["node_slots"]["2"] == 3  # on the spare machine's slot
