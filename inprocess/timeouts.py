@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from .exception import TimeoutError as RestartTimeoutError
+from .native_calls import track
 
 T = TypeVar("T")
 
@@ -16,7 +17,8 @@ def call_with_timeout(fn: Callable[[], T], timeout: float, name: str) -> T:
 
     Returns its result or re-raises its exception. Past the timeout it raises
     :class:`inprocess.exception.TimeoutError`; the thread cannot be killed and
-    is left behind, but as a daemon it never keeps the process alive.
+    is left behind, but as a daemon it never keeps the process alive (the
+    interpreter's exit waits a little for it: :mod:`inprocess.native_calls`).
     """
     outcome: dict[str, Any] = {}
 
@@ -26,7 +28,7 @@ def call_with_timeout(fn: Callable[[], T], timeout: float, name: str) -> T:
         except BaseException as ex:
             outcome["error"] = ex
 
-    thread = threading.Thread(target=target, name=name, daemon=True)
+    thread = track(threading.Thread(target=target, name=name, daemon=True))
     thread.start()
     thread.join(timeout)
     if thread.is_alive():

@@ -39,6 +39,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from ..exception import TimeoutError as RestartTimeoutError
+from ..native_calls import track
 from ..timeouts import call_with_timeout
 from .sockets import Address, TcpConnection, shutdown_connections, tcp_connections
 
@@ -325,8 +326,11 @@ def prefetch() -> bool:
     with _cache_lock:
         if _reader is not None and _reader.is_alive():
             return False
-        _reader = threading.Thread(
-            target=_read_ahead, args=(due,), name="inprocess-gloo-prefetch", daemon=True
+        # (tracked: a read that ends while the interpreter exits would abort it)
+        _reader = track(
+            threading.Thread(
+                target=_read_ahead, args=(due,), name="inprocess-gloo-prefetch", daemon=True
+            )
         )
         _reader.start()
     return True
