@@ -207,3 +207,25 @@ def slurm_cluster():
 
     with harness.cluster_or_skip() as cluster:
         yield cluster
+
+
+@pytest.fixture
+def etcd_cluster(tmp_path):
+    """A fresh real 3-member etcd cluster (tests/etcd_cluster.py) for one test, which
+    may kill, stop and restart members; closed at the test's end. Skips where etcd
+    is missing, fails instead with ``INPROCESS_REQUIRE_ETCD=1``."""
+    import etcd_cluster as harness
+
+    with harness.cluster_or_skip(tmp_path / "etcd") as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def shared_etcd_cluster(tmp_path_factory):
+    """One real 3-member etcd cluster for every test of a module that asks for it:
+    the tests must leave every member running (a member restarted in a test is a
+    new process, which the leak check would blame on that test)."""
+    import etcd_cluster as harness
+
+    with harness.cluster_or_skip(tmp_path_factory.mktemp("etcd")) as cluster:
+        yield cluster

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 
 import pytest
 
@@ -240,7 +241,13 @@ def test_kubernetes_pods():
         ({"rdzv_endpoint": "a:1", "master_addr": "b"}, SLURM, r"name different coordinators"),
         ({"rdzv_endpoint": "a:1", "master_port": 2}, SLURM, r"--master-port='2' name diff"),
         ({"master_addr": " "}, SLURM, r"--master-addr=' ': want a host name"),
-        ({"rdzv_backend": "etcd"}, SLURM, r"--rdzv-backend='etcd': want one of \['c10d', 'st"),
+        ({"rdzv_backend": "zk"}, SLURM, r"--rdzv-backend='zk': want one of \['c10d', 'st"),
+        ({"rdzv_backend": "etcd"}, SLURM, r"--rdzv-backend=etcd needs the etcd cluster's client"),
+        (
+            {"rdzv_backend": "etcd", "rdzv_endpoint": "e1:2379,e2:0"},
+            SLURM,
+            r"--rdzv-endpoint: bad etcd endpoint 'e2:0'",
+        ),
         ({"nnodes": 2, "rdzv_backend": "static", "master_addr": "h"}, {}, r"static needs"),
         ({"nnodes": 2}, {}, r"a job of 2 machines needs its coordinator's host"),
         ({"rdzv_id": "a/b"}, SLURM, r"--rdzv-id='a/b': want letters, digits"),
@@ -350,3 +357,20 @@ def test_wrapper_reads_the_slurm_task_env(monkeypatch):
     assert devices == {1}
     state = inprocess.state.State()
     assert (state.rank, state.world_size) == (2, 3)
+
+
+def test_etcd_rendezvous_names_etcd_and_this_machine():
+    """With ``--rdzv-backend etcd`` the endpoint names etcd's members; the coordinator
+    is elected, so this machine's own address is where it listens should it lead."""
+    args = resolve(
+        {"rdzv_backend": "etcd", "rdzv_endpoint": "e1:2379,https://e2", "master_addr": "10.0.0.7"},
+        SLURM,
+    )
+    assert args.rdzv_backend == "etcd"
+    assert args.etcd_endpoints == ("http://e1:2379", "https://e2:2379")
+    assert (args.coordinator_host, args.coordinator_port) == ("10.0.0.7", 0)  # a free port
+    assert args.job_id == "slurm-4242" and args.node_rank == 2
+    # a pod's MASTER_ADDR/PET_MASTER_* name another machine: this one's name is used
+    pod = {**POD, "PET_RDZV_BACKEND": "etcd", "PET_RDZV_ENDPOINT": "etcd:2379", "PET_RDZV_ID": "j"}
+    args = resolve({}, pod)
+    assert (args.coordinator_host, args.coordinator_port) == (socket.gethostname(), 0)

@@ -34,7 +34,7 @@ from ..proctitle import set_title
 from ..records import EVENTS_FILE, RECORDS_ENV, RESTARTS_FILE, records_distrust
 from ..security import JOB_SECRET_ENV, check_job_secret
 from ..userdir import user_dir
-from . import multinode, policy
+from . import etcd_member, multinode, policy
 from .cluster_env import nnodes_range
 from .console import LOG_DIR_MODE, Console, StatusLine
 from .spec import (
@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     problem = _node_counts(args)
     if problem:
         return _error(problem)
-    mn, listener, agent = None, None, False
+    mn, listener, agent, handoff = None, None, False, None
     if args.backend == "local":
         try:
             multinode.read_secret(args.secret_file)
@@ -301,7 +301,20 @@ def main(argv: list[str] | None = None) -> int:
         args.nnodes, args.spare_nodes = mn.nnodes, mn.spare_nodes
         args.job_id = args.job_id or mn.job_id
         args.master_port = None  # (the store's port is chosen by the coordinator)
-        if multinode.is_coordinator(mn, args.coordinator_only) or mn.node_rank is None:
+        if mn.rdzv_backend == "etcd":
+            if args.coordinator_only:
+                return _error(
+                    "--coordinator-only does not go with --rdzv-backend etcd: every machine's "
+                    "inprocess-run is a candidate coordinator, elected through etcd"
+                )
+            try:
+                handoff = etcd_member.Handoff.from_env()
+            except ValueError as ex:
+                return _error(str(ex))
+            if handoff is not None:  # the elected launcher's coordinator process
+                listener = socket.socket(fileno=handoff.listen_fd)
+                args.coordinator_only = True
+        elif multinode.is_coordinator(mn, args.coordinator_only) or mn.node_rank is None:
             try:
                 listener = multinode.open_coordinator(mn)
             except multinode.StartError as ex:
@@ -333,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
         return _error(problem)
     if agent:
         assert mn is not None
+        if mn.rdzv_backend == "etcd":
+            return etcd_member.run(args, mn, given)
         return multinode.run_agent(args, mn, args.log_level)
     if args.backend == "ray":
         ray_node = connect(args.ray_address)  # before our variables enter the environment
@@ -400,9 +415,11 @@ def main(argv: list[str] | None = None) -> int:
     # corrected rerun with the same --state-dir starts): every flag is checked
     # before anything is written, and what was written is removed on a refusal.
     made_dir = not os.path.lexists(state_dir)
-    store = StateStore(state_dir)
+    store: StateStore | etcd_member.EtcdStateStore = StateStore(state_dir)
     created = False
     try:
+        if handoff is not None:  # the job's state lives in etcd (see etcd_member)
+            store = etcd_member.state_store_for(handoff, state_dir)
         lock = lock_job_id(job_id)  # held (open) as long as this process lives
         if log_dir is not None:
             _check_log_dir(log_dir.parent, "--log-dir" if args.log_dir is not None else None)
@@ -418,10 +435,13 @@ def main(argv: list[str] | None = None) -> int:
             except OSError as ex:
                 raise StateError(f"{flag} {log_dir.parent}: {ex.strerror or ex}") from None
             _check_chain(log_dir, flag)  # (the parents it made: mode by the umask)
-    except (StateError, OSError) as ex:
+    except (StateError, OSError, etcd_member.EtcdError, etcd_member.NotLeader) as ex:
         if lock is not None:
             lock.release()
-        _undo_start(state_dir, store.path if created else None, made_dir)
+        in_file = created and isinstance(store, StateStore)
+        _undo_start(state_dir, store.path if in_file else None, made_dir)
+        if isinstance(ex, etcd_member.EtcdError | etcd_member.NotLeader):
+            return _error(f"the job's state in etcd: {ex}")
         if isinstance(ex, StateError):
             return _error(str(ex))
         return _error(f"--state-dir {state_dir}: {ex.strerror or ex}")

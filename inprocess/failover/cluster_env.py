@@ -16,6 +16,7 @@ Precedence, for each parameter (docs/multi-node.md has the table):
 from __future__ import annotations
 
 import dataclasses
+import socket
 from collections.abc import Mapping
 from typing import Any
 
@@ -38,8 +39,9 @@ FLAGS: tuple[tuple[str, str, str], ...] = (
 #: the keys of ``FLAGS`` that place this machine in a job of several
 _MULTI_NODE_KEYS = frozenset(key for key, _, _ in FLAGS) - {"nproc_per_node", "max_restarts"}
 #: rendezvous backends: ``c10d`` ranks machines by arrival unless a node rank is
-#: given; ``static`` needs every machine's node rank
-RDZV_BACKENDS = ("c10d", "static")
+#: given; ``static`` needs every machine's node rank; ``etcd``: the coordinator is
+#: elected through etcd (``--rdzv-endpoint`` names etcd's client endpoints)
+RDZV_BACKENDS = ("c10d", "static", "etcd")
 #: the coordinator's port where nothing names one and no Slurm job id derives one
 #: (torchrun's default rendezvous port)
 DEFAULT_PORT = 29400
@@ -56,14 +58,18 @@ class MultiNodeArgs:
         spare_nodes: hot spare machines (``MAX - MIN``), waiting for a failure.
         node_rank: this machine's index, ``0 .. nnodes + spare_nodes - 1``; None:
             given by arrival order.
-        coordinator_host: the host of the job's coordinator (its store).
-        coordinator_port: its port.
+        coordinator_host: the host of the job's coordinator (its store); with
+            ``etcd``, this machine's own address, where it listens should it be
+            elected coordinator (``--master-addr``, else its host name; never a
+            variable: a pod's ``MASTER_ADDR`` names another machine).
+        coordinator_port: its port (``etcd``: ``--master-port``, else 0: a free one).
         job_id: the job's id, the same on every machine (None: not given).
         source: ``flags`` where any flag was given, else ``torchrun-env`` where any
             ``PET_*`` variable was, else ``slurm``.
         node_name: this machine's name where the scheduler gives one
             (``SLURMD_NODENAME``: several nodes may share a host name).
-        rdzv_backend: ``c10d`` or ``static``.
+        rdzv_backend: ``c10d``, ``static`` or ``etcd``.
+        etcd_endpoints: with ``etcd``, the etcd cluster's client URLs.
     """
 
     nnodes: int
@@ -75,6 +81,7 @@ class MultiNodeArgs:
     source: str
     node_name: str | None = None
     rdzv_backend: str = "c10d"
+    etcd_endpoints: tuple[str, ...] = ()
 
 
 def torchrun_env(env: Mapping[str, str]) -> dict[str, str]:
@@ -236,11 +243,21 @@ def resolve(flags: Mapping[str, Any], env: Mapping[str, str]) -> MultiNodeArgs |
             "--node-rank, PET_NODE_RANK, or SLURM_NODEID inside an srun step"
         )
 
+    etcd_endpoints: tuple[str, ...] = ()
+    if backend == "etcd":
+        # --rdzv-endpoint names etcd; the coordinator is whoever etcd elects
+        etcd_endpoints, given = _etcd_endpoints(given), dict(given)
+        given.pop("rdzv_endpoint", None)
+
     # --- the coordinator
     flag_host, flag_port = _coordinator(given, "--")
     pet_host, pet_port = _coordinator(given, "PET_")
     # each later source is read only where the earlier ones name nothing
     host = flag_host or pet_host
+    if backend == "etcd":
+        # this machine's own address, published in etcd should it lead: only the
+        # flags name it (a pod's MASTER_ADDR, PET_MASTER_* name another machine)
+        host, pet_port = flag_host or socket.gethostname(), None
     from_master_env = host is None and bool(env.get("MASTER_ADDR", "").strip())
     if from_master_env:
         host = env["MASTER_ADDR"].strip()
@@ -260,7 +277,9 @@ def resolve(flags: Mapping[str, Any], env: Mapping[str, str]) -> MultiNodeArgs |
             "HOST[:PORT] or --master-addr (or PET_RDZV_ENDPOINT, PET_MASTER_ADDR, MASTER_ADDR)"
         )
     port = flag_port or pet_port
-    if port is None and env.get("MASTER_PORT"):
+    if port is None and backend == "etcd":
+        port = 0  # a free one: its number travels in etcd
+    if port is None and env.get("MASTER_PORT"):  # (not with etcd: port is 0 by then)
         port = _int(env["MASTER_PORT"], "MASTER_PORT", 1, 65535)
     if port is None:
         port = coordinator_port(env["SLURM_JOB_ID"]) if slurm else DEFAULT_PORT
@@ -279,6 +298,11 @@ def resolve(flags: Mapping[str, Any], env: Mapping[str, str]) -> MultiNodeArgs |
             )
     elif slurm:
         job_id = f"slurm-{_int(env['SLURM_JOB_ID'], 'SLURM_JOB_ID', 0, 2**63)}"
+    if backend == "etcd" and job_id is None:
+        raise ValueError(
+            f"{backend_name}=etcd needs the job's id, its key in etcd, the same on every "
+            "machine: --rdzv-id ID (or PET_RDZV_ID; under Slurm it is slurm-<job id>)"
+        )
 
     # nproc_per_node and max_restarts say nothing of where the job's machines are
     names = [name for key, (_, name) in given.items() if key in _MULTI_NODE_KEYS]
@@ -298,4 +322,18 @@ def resolve(flags: Mapping[str, Any], env: Mapping[str, str]) -> MultiNodeArgs |
         source=source,
         node_name=(env.get("SLURMD_NODENAME") or None) if slurm else None,
         rdzv_backend=backend,
+        etcd_endpoints=etcd_endpoints,
     )
+
+
+def _etcd_endpoints(given: Mapping[str, tuple[str, str]]) -> tuple[str, ...]:
+    """etcd's client URLs from ``--rdzv-endpoint`` (``--rdzv-backend etcd``)."""
+    from .etcd import parse_endpoints
+
+    if "rdzv_endpoint" not in given:
+        raise ValueError(
+            "--rdzv-backend=etcd needs the etcd cluster's client endpoints: "
+            "--rdzv-endpoint HOST:PORT[,HOST:PORT...] (or PET_RDZV_ENDPOINT)"
+        )
+    text, name = given["rdzv_endpoint"]
+    return tuple(parse_endpoints(text, name))

@@ -41,7 +41,7 @@ from .. import persist_signal, procfs, protocol
 from .. import records as _records
 from ..proctitle import set_title
 from ..protocol import incarnation_of, initial_rank_of
-from . import policy
+from . import etcd_member, policy
 from .backends import DEFAULT_BACKEND, Backend, ProcessExit, WorkerLaunch, create_backend
 from .bounded_calls import BoundedCalls
 from .console import worker_output
@@ -105,11 +105,15 @@ _LIMIT = re.compile(r"\bmax_restarts=|_max_\w+=|max_relaunches=|max_failures=")
 
 
 class Controller:
-    """Runs the job described by ``<state_dir>/state.json``."""
+    """Runs the job described by ``<state_dir>/state.json`` (or, for the elected
+    coordinator of a ``--rdzv-backend etcd`` job, by its state in etcd)."""
 
     def __init__(self, state_dir: Path, backend: Backend | None = None) -> None:
         self.state_dir = state_dir
-        self.states = StateStore(state_dir)
+        handoff = etcd_member.Handoff.from_env()
+        self.states: StateStore | etcd_member.EtcdStateStore = StateStore(state_dir)
+        if handoff is not None:  # the elected coordinator of an etcd job
+            self.states = etcd_member.state_store_for(handoff, state_dir)
         self.state: JobState = self.states.load()
         self.spec = self.state.spec
         self.backend: Backend = backend or create_backend(DEFAULT_BACKEND, state_dir)

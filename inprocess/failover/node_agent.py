@@ -27,6 +27,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ..proctitle import set_title
@@ -68,8 +69,12 @@ class NodeAgent:
         secret: str,
         hello: dict[str, Any],
         connect_timeout: float,
+        locate: Callable[[], tuple[str, int] | None] | None = None,
     ) -> None:
+        #: where the coordinator is; with ``locate`` (an elected coordinator:
+        #: :mod:`.etcd_member`) looked up again before each try to connect
         self.endpoint = endpoint
+        self.locate = locate
         self.secret = secret
         self.hello = dict(hello)
         self.connect_timeout = connect_timeout
@@ -96,6 +101,15 @@ class NodeAgent:
         """
         last: Exception | None = None
         while time.monotonic() < deadline and self._signal is None:
+            if self.locate is not None:
+                try:
+                    found = self.locate()
+                except Exception as ex:  # (etcd unavailable: tried again)
+                    found, last = None, ex
+                if found is None:
+                    time.sleep(RETRY_INTERVAL)
+                    continue
+                self.endpoint = found
             try:
                 link, reply = connect(
                     self.endpoint, self.secret, self.hello, timeout=min(5.0, self.connect_timeout)
