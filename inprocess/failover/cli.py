@@ -400,7 +400,15 @@ def main(argv: list[str] | None = None) -> int:
     # ps/pgrep: the script's name is for its workers alone (see inprocess.proctitle)
     set_title(f"inprocess-run launcher of job {job_id}")
     controller_args = ["--log-level", args.log_level]
-    if listener is not None:
+    # a coordinator elected for a job that runs already: no rendezvous, the job's
+    # state and machines come from etcd (see etcd_member)
+    taking_over = False
+    if handoff is not None:
+        try:
+            taking_over = etcd_member.job_started(handoff)
+        except etcd_member.EtcdError as ex:
+            return _error(f"etcd: {ex}")
+    if listener is not None and not taking_over:
         assert mn is not None
         logging.basicConfig(
             level=args.log_level, format="%(asctime)s inprocess-run %(levelname)s %(message)s"
@@ -420,12 +428,20 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if handoff is not None:  # the job's state lives in etcd (see etcd_member)
             store = etcd_member.state_store_for(handoff, state_dir)
-        lock = lock_job_id(job_id)  # held (open) as long as this process lives
+        else:  # (with etcd, the lease is the job's lock)
+            lock = lock_job_id(job_id)  # held (open) as long as this process lives
         if log_dir is not None:
             _check_log_dir(log_dir.parent, "--log-dir" if args.log_dir is not None else None)
         _prepare_state_dir(state_dir)
-        store.create(policy.new_job_state(spec, now=time.time()))
-        created = True
+        if taking_over:
+            assert isinstance(store, etcd_member.EtcdStateStore)
+            store.load()  # (mirrored into the state dir)
+            config = etcd_member.load_nodes(store, state_dir)
+        else:
+            store.create(policy.new_job_state(spec, now=time.time()))
+            created = True
+        if isinstance(store, etcd_member.EtcdStateStore) and not taking_over:
+            etcd_member.save_nodes(store, config)
         if listener is not None:
             controller_args += multinode.coordinate(listener, config, state_dir)
         if log_dir is not None:
@@ -484,10 +500,12 @@ def main(argv: list[str] | None = None) -> int:
             run_token,
             max_controller_restarts=args.max_controller_restarts,
             pass_fds=(listener.fileno(),) if listener is not None else (),
+            recover_first=taking_over,
         ).run()
     finally:
         console.stop()
-        lock.release()
+        if lock is not None:
+            lock.release()
 
 
 #: torchrun's flags that mean nothing here, and what to do instead

@@ -16,12 +16,16 @@ controller does not hold the lease (the launcher does, it lives as long as the
 machine's part in the job); it writes under the leadership of its launcher's
 identity (:meth:`.leadership.Election.follow`).
 
-What this module does not do yet: elect a new coordinator on another machine
-once the job runs. Candidates campaign until the job's state exists; after
-that only the launcher that created it campaigns again (its lease lost while
-its machine was frozen, say). The coordinator's machine lost ends the job as
-with a fixed coordinator (every agent exits with
-:data:`.node_agent.COORDINATOR_LOST_EXIT` after its grace).
+Every launcher campaigns for as long as it serves the job. When the leader's
+lease ends (its machine lost or frozen), another launcher is elected and its
+coordinator *takes the job over*: no rendezvous; the job's state and who holds
+which node slot come from etcd; its controller starts as after a crash of its
+own (``--recover``), the agents reconnect to it with their workers, and a
+machine that does not come back is lost like any other. The store went with
+the old coordinator's machine, so the job restarts cold (a new generation, its
+state from persisted snapshots). A coordinator that finds another launcher
+leading (its machine was frozen, and is back) is ended by its launcher: it
+stands down.
 """
 
 from __future__ import annotations
@@ -39,13 +43,15 @@ import subprocess
 import sys
 import threading
 from collections.abc import Mapping
+from pathlib import Path
 
-from ..security import JOB_SECRET_ENV
+from ..security import JOB_SECRET_ENV, open_first, seal
+from .backends.nodes import NodesConfig
 from .cluster_env import MultiNodeArgs
 from .etcd import Etcd, EtcdError, EtcdUnavailable
 from .etcd_state import EtcdStateStore
 from .leadership import Election, NotLeader, job_prefix
-from .state import STATE_FILENAME, JobState, save_state
+from .state import STATE_FILENAME, JobState, StateFileError, save_state
 
 __all__ = [
     "COORDINATOR_ENV",
@@ -199,15 +205,46 @@ def state_exists(etcd: Etcd, job: str) -> bool:
     return etcd.get(job_prefix(job) + "state") is not None
 
 
+def job_started(handoff: Handoff) -> bool:
+    """Whether the coordinator of ``handoff`` takes over a job that runs (its
+    state is in etcd) rather than starting it."""
+    with contextlib.closing(connect_etcd(handoff.etcd)) as etcd:
+        return state_exists(etcd, handoff.job)
+
+
+def save_nodes(store: EtcdStateStore, config: NodesConfig) -> None:
+    """Keeps who joined the job on which slot in etcd (sealed, guarded): what a
+    coordinator elected later needs to take the machines over."""
+    key = store.election.prefix + "nodes"
+    store.election.guarded_put(key, seal(key, config.to_json(), store.election.secret))
+
+
+def load_nodes(store: EtcdStateStore, state_dir: str | os.PathLike[str]) -> NodesConfig:
+    """Who joined the job on which slot, from etcd (saved into ``state_dir`` too).
+
+    Raises:
+        StateFileError: nothing authentic is kept there.
+    """
+    key = store.election.prefix + "nodes"
+    kv = store.election.etcd.get(key)
+    text = open_first(key, kv.value if kv is not None else None, store.election.secret)
+    if text is None:
+        raise StateFileError(f"etcd:{key}: no record of the job's machines sealed with its secret")
+    config = NodesConfig.from_json(text)
+    config.save(Path(state_dir))
+    return config
+
+
 class Candidacy:
     """This launcher's campaign for the job's coordinator, and the coordinator
     process it runs while it leads (a thread).
 
     Invariants: at most one coordinator process of this launcher lives at a
-    time (started and ended by this thread only); the coordinator process is
+    time (started and ended by this thread only); a coordinator process is
     started only while this launcher's election has won (its guarded writes
-    fail anyway once the term is over); once the job's state exists, a
-    launcher that did not create it stops campaigning.
+    fail anyway once the term is over), and is ended as soon as another
+    launcher is seen leading; once this launcher's coordinator ended by itself
+    (the job is over), it campaigns no more.
     """
 
     def __init__(
@@ -226,7 +263,8 @@ class Candidacy:
         self.listener = listener
         self.argv = argv
         self.process: subprocess.Popen[bytes] | None = None
-        self.led = False
+        #: this launcher's coordinator ended by itself: the job is over
+        self.job_over = False
         self._stop = threading.Event()
         self._lost = threading.Event()
         self._thread = threading.Thread(target=self._run, name="inprocess-candidacy", daemon=True)
@@ -238,36 +276,20 @@ class Candidacy:
         """The election's ``on_lost``: campaign again."""
         self._lost.set()
 
-    def _may_lead(self) -> bool:
-        """Whether this launcher still campaigns (see the module's doc)."""
-        if self.led:
-            return True
-        try:
-            return not state_exists(self.election.etcd, self.election.job)
-        except EtcdError:
-            return True
-
     def _run(self) -> None:
-        while not self._stop.is_set():
-            if not self._may_lead():
-                log.debug(
-                    "job %s runs under another coordinator: not campaigning", self.election.job
-                )
-                return
+        while not self._stop.is_set() and not self.job_over:
             try:
                 self.election.campaign(timeout=CAMPAIGN_POLL, stop=self._stop)
             except TimeoutError:
+                self._stand_down_if_another_leads()
                 continue
             except EtcdError as ex:
                 log.debug("campaign: %s", ex)
                 self._stop.wait(CAMPAIGN_POLL)
                 continue
             self._lost.clear()
-            if self.process is None or self.process.poll() is not None:
-                if self.led and self.process is not None:
-                    return  # our coordinator ended: the job is over
+            if self.process is None:
                 self.process = self._start_coordinator()
-                self.led = True
             else:
                 log.warning(
                     "job %s: leading again (term %s): the coordinator goes on",
@@ -275,10 +297,33 @@ class Candidacy:
                     self.election.term,
                 )
             while not self._stop.is_set() and not self._lost.is_set():
-                if self.process.poll() is not None:
+                if self.process.poll() is not None:  # it ended with the job
+                    self.job_over = True
                     self.election.resign()
                     return
                 self._stop.wait(0.2)
+
+    def _stand_down_if_another_leads(self) -> None:
+        """Ends this launcher's coordinator once another launcher leads: its term
+        is over, its writes fail already, and the agents go to the new one."""
+        if self.process is None:
+            return
+        try:
+            leader = self.election.leader()
+        except EtcdError:
+            return
+        if leader is None or leader.identity == self.election.identity:
+            return
+        log.warning(
+            "job %s: %s leads it now (term %d): this machine's coordinator stands down",
+            self.election.job,
+            leader.identity,
+            leader.term,
+        )
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+        self.process = None
 
     def _start_coordinator(self) -> subprocess.Popen[bytes]:
         handoff = Handoff(

@@ -170,8 +170,11 @@ class Supervisor:
         run_token: str,
         max_controller_restarts: int = MAX_CONTROLLER_RESTARTS,
         pass_fds: tuple[int, ...] = (),
+        recover_first: bool = False,
     ) -> None:
         self.state_dir = state_dir
+        #: the first controller recovers too (a coordinator elected for a running job)
+        self.recover_first = recover_first
         self.max_controller_restarts = max_controller_restarts
         self.controller_args = controller_args
         #: descriptors every controller inherits (a job of several machines: its listener)
@@ -201,7 +204,7 @@ class Supervisor:
             # record of an end when the file is found damaged later
             initial = self.states.load()
             while True:
-                status = self._run_controller(recover=restarts > 0)
+                status = self._run_controller(recover=restarts > 0 or self.recover_first)
                 result = self._controller_result()
                 try:
                     state = self.states.load()

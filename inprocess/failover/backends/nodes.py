@@ -99,25 +99,33 @@ class NodesConfig:
     #: what every agent's hello must carry (:data:`AGREED`)
     agreed: dict[str, Any]
 
-    def save(self, state_dir: Path) -> None:
+    def to_json(self) -> str:
+        """One line of JSON (also what an etcd job keeps in etcd)."""
         data = {
             "own_slot": self.own_slot,
             "joined": {str(k): v for k, v in self.joined.items()},
             "agreed": self.agreed,
         }
-        path = state_dir / NODES_FILE
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data))
-        os.replace(tmp, path)
+        return json.dumps(data, sort_keys=True)
 
     @classmethod
-    def load(cls, state_dir: Path) -> NodesConfig:
-        data = json.loads((state_dir / NODES_FILE).read_text())
+    def from_json(cls, text: str) -> NodesConfig:
+        data = json.loads(text)
         return cls(
             own_slot=data["own_slot"],
             joined={int(k): str(v) for k, v in data["joined"].items()},
             agreed=data["agreed"],
         )
+
+    def save(self, state_dir: Path) -> None:
+        path = state_dir / NODES_FILE
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(self.to_json())
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, state_dir: Path) -> NodesConfig:
+        return cls.from_json((state_dir / NODES_FILE).read_text())
 
 
 def difference(agreed: dict[str, Any], hello: dict[str, Any]) -> str | None:
