@@ -51,7 +51,7 @@ from .cluster_env import MultiNodeArgs
 from .etcd import Etcd, EtcdError, EtcdUnavailable
 from .etcd_state import EtcdStateStore
 from .leadership import Election, NotLeader, job_prefix
-from .state import STATE_FILENAME, JobState, StateFileError, save_state
+from .state import STATE_FILENAME, JobState, Stage, StateFileError, save_state
 
 __all__ = [
     "COORDINATOR_ENV",
@@ -205,6 +205,23 @@ def state_exists(etcd: Etcd, job: str) -> bool:
     return etcd.get(job_prefix(job) + "state") is not None
 
 
+def job_ended(election: Election) -> bool:
+    """Whether the job's state in etcd says it stopped (read with ``election``'s
+    client; a state that cannot be read does not say so)."""
+    key = election.prefix + "state"
+    try:
+        kv = election.etcd.get(key)
+    except EtcdError:
+        return False
+    text = open_first(key, kv.value if kv is not None else None, election.secret)
+    if text is None:
+        return False
+    try:
+        return json.loads(text).get("stage") == Stage.STOPPED.value
+    except (ValueError, AttributeError):
+        return False
+
+
 def job_started(handoff: Handoff) -> bool:
     """Whether the coordinator of ``handoff`` takes over a job that runs (its
     state is in etcd) rather than starting it."""
@@ -288,6 +305,11 @@ class Candidacy:
                 self._stop.wait(CAMPAIGN_POLL)
                 continue
             self._lost.clear()
+            if self.process is None and job_ended(self.election):
+                # (its coordinator resigned as the job ended: nothing to take over)
+                self.job_over = True
+                self.election.resign()
+                return
             if self.process is None:
                 self.process = self._start_coordinator()
             else:
