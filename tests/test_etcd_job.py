@@ -77,7 +77,8 @@ def test_three_machines_elect_their_coordinator_and_outlive_its_machine(tmp_path
     """Two machines train, one is a hot spare; etcd elects the coordinator. A
     stranger's leader record is ignored; the coordinator's machine frozen past its
     lease: a new term, a coordinator that finds another leading stands down; one
-    etcd member lost: nothing happens; then every process of the coordinator's
+    etcd member lost: nothing happens; two: training goes on, the leader stays;
+    then every process of the coordinator's
     machine killed: another machine's launcher is elected, takes the job over
     (a cold restart from persisted snapshots: the store went with the machine),
     the spare takes the lost machine's place, and the job finishes exactly."""
@@ -148,10 +149,20 @@ def test_three_machines_elect_their_coordinator_and_outlive_its_machine(tmp_path
                 "the frozen coordinator standing down",
                 machines,
             )
-        # one etcd member lost: nothing changes
+        # one etcd member lost: nothing changes; two: no quorum, training goes on,
+        # the leader stays (one warning); the quorum back: the same term goes on
         etcd_cluster.kill(0)
         step = _step(out)
         _wait(lambda: _step(out) >= step + 20, 120, "training without an etcd member", machines)
+        etcd_cluster.kill(1)
+        step = _step(out)
+        time.sleep(8)  # > the lease (3 s)
+        _wait(lambda: _step(out) >= step + 20, 120, "training without etcd's quorum", machines)
+        etcd_cluster.restart(0)
+        etcd_cluster.restart(1)
+        etcd_cluster.wait_ready()
+        assert _leader(etcd, leader_key, secret) == second
+        assert machines.log(second_name).count("etcd does not answer") == 1
         # every process of the coordinator's machine killed at once
         for p in _machine(markers[second_name]):
             with contextlib.suppress(psutil.Error):

@@ -105,8 +105,11 @@ class Election:
         ttl: seconds the lease lives without renewal (at least 2): how long a
             frozen leader blocks a successor. Renewed every ``ttl / 3``.
         on_lost: called once, from the keepalive thread, when a won leadership
-            is lost (the lease gone, or not renewed before it would expire, or
-            a guarded write found a newer term); not on :meth:`resign`.
+            is lost (etcd says the lease is gone, or it was not renewed in time
+            though etcd answered, or a guarded write found a newer term); not
+            on :meth:`resign`. While etcd does not answer at all (no quorum)
+            the leadership is not taken for lost: nobody can be elected then,
+            and etcd renews the leases once its quorum is back.
 
     Invariants:
 
@@ -394,6 +397,12 @@ class Election:
         """Renews ``lease`` every ttl/3 until resigned or lost; reports a loss once."""
         interval = self.ttl / 3
         reason = None
+        # Set while etcd does not answer a renewal: the lease then is etcd's to
+        # end, not our clock's. Without a quorum nobody can be elected, and etcd
+        # renews every lease when a quorum is back; a quorum that we cannot
+        # reach may elect another, whose term makes our writes fail in etcd, and
+        # we learn it ("lease gone") once etcd answers us again.
+        unanswered_since: float | None = None
         while True:
             with self._lock:
                 if self._lease != lease or self._term is None:
@@ -402,10 +411,10 @@ class Election:
                     reason = self._lost_reason
                     break
                 left = self._expires_at - time.monotonic()
-            if left <= 0:
+            if left <= 0 and unanswered_since is None:
                 reason = "its lease was not renewed in time"
                 break
-            self._wake.wait(min(interval, left))
+            self._wake.wait(min(interval, left) if left > 0 else interval)
             self._wake.clear()
             while self._frozen.is_set():  # test hook: a frozen machine
                 time.sleep(0.01)
@@ -415,9 +424,27 @@ class Election:
             sent = time.monotonic()
             try:
                 ttl_left = self.etcd.lease_keepalive(lease)
+            except EtcdUnavailable as ex:
+                if unanswered_since is None:
+                    unanswered_since = sent
+                    log.warning(
+                        "etcd does not answer (%s): the lease of job %s is not renewed; its "
+                        "coordinator goes on, its decisions wait for etcd",
+                        ex,
+                        self.job,
+                    )
+                continue
             except EtcdError as ex:
                 log.debug("renewing lease %x of job %s failed: %s", lease, self.job, ex)
                 continue
+            if unanswered_since is not None:
+                log.info(
+                    "etcd answers again after %.1f s: the lease of job %s %s",
+                    time.monotonic() - unanswered_since,
+                    self.job,
+                    "is renewed" if ttl_left > 0 else "is gone",
+                )
+                unanswered_since = None
             if ttl_left <= 0:
                 reason = "its lease is gone"
                 break
