@@ -331,3 +331,66 @@ def test_leader_rides_out_etcd_member_losses(etcd_cluster, caplog):
         assert group.lost["a"] == (0 if "revision" in out else 1)
     finally:
         group.close()
+
+
+def test_a_coordinator_writes_under_its_launcher_s_leadership(candidates, tmp_path, monkeypatch):
+    """The elected launcher holds the lease; its coordinator process follows it
+    (``Election.follow``): its saves are guarded by the launcher's term, wait for
+    the launcher to lead again, and stop where another launcher leads. The job's
+    machines are kept sealed beside the state; ``job_ended`` reads the stage."""
+    from inprocess.failover import etcd_member
+    from inprocess.failover.backends.nodes import NodesConfig
+
+    monkeypatch.setattr(etcd_member, "FOLLOW_WAIT", 10)
+    launcher, other = candidates.new("launcher", 1001), candidates.new("other", 1002)
+    launcher.campaign(timeout=30)
+    follower = Election(candidates.client(), candidates.job, "launcher", "127.0.0.1:1001", SECRET)
+    follower.follow()
+    store = etcd_member.CoordinatorStateStore(follower, tmp_path)
+    state = make_state("train", tmp_path)
+    store.create(state)
+    assert (tmp_path / "state.json").exists()  # the mirror for this machine's readers
+    assert not etcd_member.job_ended(launcher)
+    config = NodesConfig(own_slot=None, joined={0: "agent-a", 1: "agent-b"}, agreed={"n": 1})
+    etcd_member.save_nodes(store, config)
+    (tmp_path / "elsewhere").mkdir()
+    assert etcd_member.load_nodes(store, tmp_path / "elsewhere") == config
+    assert NodesConfig.load(tmp_path / "elsewhere") == config  # (saved there for the controller)
+    # the launcher's lease ends (its machine froze) and it wins again: a new term;
+    # the coordinator's next save waits for it and is made under that term
+    launcher._frozen.set()
+    wait_for(lambda: not launcher.is_leader() and launcher.etcd.get(launcher.leader_key) is None,
+             30, "the lease to end")  # fmt: skip
+    launcher._frozen.clear()
+    wait_for(lambda: candidates.lost["launcher"] == 1, 30, "the loss reported")
+    launcher.campaign(timeout=30)
+    state = with_event(state, "after the freeze")
+    store.save(state)
+    assert EtcdStateStore(other).load() == state
+    # another launcher leads: the coordinator's save fails, nothing is written
+    launcher.resign()
+    other.campaign(timeout=30)
+    with pytest.raises(NotLeader):
+        store.save(with_event(state, "stale"))
+    assert EtcdStateStore(other).load() == state
+    # a stranger's record of the machines is not taken
+    other.etcd.put(other.prefix + "nodes", b"{}")
+    with pytest.raises(StateFileError, match="no record of the job's machines"):
+        etcd_member.load_nodes(EtcdStateStore(other), tmp_path)
+    # the stage read by a launcher elected after the end
+    stopped = P.stopped(P.request_stop(state, 0, "done", now=5.0).state, now=6.0)
+    successor = EtcdStateStore(other)
+    successor.load()
+    successor.save(stopped)
+    assert etcd_member.job_ended(other)
+    follower.close()
+
+
+def test_the_hand_off_to_a_coordinator_process_is_checked():
+    from inprocess.failover.etcd_member import COORDINATOR_ENV, Handoff
+
+    handoff = Handoff(7, "m/1/ab", "127.0.0.1:9", ("http://127.0.0.1:2379",), "j")
+    assert Handoff.from_env({COORDINATOR_ENV: handoff.to_env()}) == handoff
+    assert Handoff.from_env({}) is None
+    with pytest.raises(ValueError, match=COORDINATOR_ENV):
+        Handoff.from_env({COORDINATOR_ENV: '{"listen_fd": 1}'})
