@@ -8,8 +8,9 @@ Heartbeat 50 ms and election timeout 500 ms: a lost leader is replaced within
 about a second. The members are children of the test process (SIGTERMed by the
 kernel if it dies) and :meth:`EtcdCluster.close` reaps every one of them.
 
-The tests need ``etcd`` on ``PATH`` (Debian's ``etcd-server``); without it they
-skip, unless ``INPROCESS_REQUIRE_ETCD=1`` (set by CI), where they fail.
+The tests need ``etcd`` on ``PATH`` (Debian's ``etcd-server``, installed with
+apt-get when missing and the tests run as root); without it they skip, unless
+``INPROCESS_REQUIRE_ETCD=1`` (set by CI), where they fail.
 
 Fixtures (registered in ``tests/conftest.py``): ``etcd_cluster``, a fresh
 3-member cluster per test (the test may kill and restart members), and
@@ -282,13 +283,36 @@ class EtcdCluster:
         self.close()
 
 
+#: the Debian package of the etcd program
+PACKAGE = "etcd-server"
+
+
+def install() -> str | None:
+    """Installs etcd with apt-get when it is missing and we are root (as the
+    Slurm harness does its packages); returns why it cannot be had, or None."""
+    if etcd_available():
+        return None
+    if os.geteuid() != 0 or shutil.which("apt-get") is None:
+        return f"etcd tests need the etcd program (Debian: apt-get install {PACKAGE})"
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    # another test process may be installing too: wait for dpkg's lock
+    cmd = ["apt-get", "install", "-y", "-q", "--no-install-recommends",
+           "-o", "DPkg::Lock::Timeout=300", PACKAGE]  # fmt: skip
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    if out.returncode != 0:  # stale package lists: refresh them once
+        subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True, timeout=600)
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    if out.returncode != 0 or not etcd_available():
+        tail = (out.stdout + out.stderr)[-2000:]
+        return f"installing {PACKAGE} failed (rc {out.returncode}): {tail}"
+    return None
+
+
 def unavailable() -> str | None:
-    """Why no cluster can be started here (None: one can)."""
+    """Why no cluster can be started here (None: one can, etcd installed if need be)."""
     if sys.platform != "linux":
         return "etcd tests run on Linux only"
-    if not etcd_available():
-        return "etcd tests need the etcd program (Debian: apt-get install etcd-server)"
-    return None
+    return install()
 
 
 @contextlib.contextmanager
