@@ -753,6 +753,9 @@ class Controller:
             "pid": self.server.pid,
             "start_time": process_start_time(self.server.pid),
             "generation": state.generation,
+            # it ends with this launcher (see store_server): a coordinator elected
+            # later, on any machine, never takes it for its own
+            "owner": os.environ.get(LAUNCHER_ENV),
         }
         self.commit(state)
         self._reported.clear()
@@ -900,13 +903,13 @@ class Controller:
             )
             lost.append((worker, event))
         store = self.state.store
-        if store and process_start_time(store["pid"]) == store.get("start_time"):
+        ours = _owns_store(store)
+        if store and ours and process_start_time(store["pid"]) == store.get("start_time"):
             self.server = StoreServer(store["host"], store["port"], store["pid"])
             self._prepare_ahead()
         else:
-            event = StoreLost(
-                self.state.generation, "the store server was lost while the controller was down"
-            )
+            why = "was lost while the controller was down" if ours else "left with its coordinator"
+            event = StoreLost(self.state.generation, f"the store server {why}")
             self.apply(policy.handle_event(self.state, event, now=time.time()))
             return
         for _, event in lost:
@@ -926,10 +929,18 @@ class Controller:
         if self.server is not None:
             self.server.stop()
             self._forget_server()
-        elif self.state.store:
+        elif self.state.store and _owns_store(self.state.store):
             store = self.state.store
             if process_start_time(store["pid"]) == store.get("start_time"):
                 StoreServer(store["host"], store["port"], store["pid"]).stop()
+
+
+def _owns_store(store: dict[str, Any]) -> bool:
+    """Whether the store server recorded in ``store`` is this launcher's (it ends
+    with its launcher): not one of an earlier coordinator's, maybe on another
+    machine, whose pid means nothing here (``--rdzv-backend etcd``)."""
+    mine = os.environ.get(LAUNCHER_ENV)
+    return store.get("owner", mine) == mine
 
 
 class _StopRequested(Exception):
