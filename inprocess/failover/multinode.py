@@ -230,7 +230,8 @@ def add_flags(p: argparse.ArgumentParser) -> None:
         "--rdzv_endpoint",
         default=None,
         help="HOST[:PORT] of the job's coordinator, the same on every machine "
-        "(default: PET_RDZV_ENDPOINT, MASTER_ADDR, or the first host of the Slurm job)",
+        "(default: PET_RDZV_ENDPOINT, MASTER_ADDR, or the first host of the Slurm job); "
+        "with --rdzv-backend etcd, etcd's client endpoints",
     )
     p.add_argument(
         "--rdzv-id", "--rdzv_id", default=None, help="the job's id on every machine (= --job-id)"
@@ -239,8 +240,9 @@ def add_flags(p: argparse.ArgumentParser) -> None:
         "--rdzv-backend",
         "--rdzv_backend",
         default=None,
-        help="c10d (machines ranked by arrival where no node rank is given) or static "
-        "(every machine gives --node-rank)",
+        help="c10d (machines ranked by arrival where no node rank is given), static "
+        "(every machine gives --node-rank) or etcd (the coordinator elected through the "
+        "etcd cluster that --rdzv-endpoint names: HOST:PORT[,HOST:PORT...])",
     )
     p.add_argument(
         "--rdzv-timeout",
