@@ -77,7 +77,7 @@ def _machine(marker: str) -> list[psutil.Process]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_three_machines_elect_their_coordinator_and_outlive_its_machine(tmp_path, etcd_cluster):
     """Two machines train, one is a hot spare; etcd elects the coordinator. A
     stranger's leader record is ignored; the coordinator's machine frozen past its
