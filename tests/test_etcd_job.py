@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import signal
 import socket
 import time
 
@@ -227,3 +228,59 @@ def _leader(etcd: Etcd, key: str, secret: str) -> dict | None:
 def _step(out) -> int:
     return max((int(e.get("step", -1)) for e in _lines(out) if e.get("kind") == "progress"),
                default=-1)  # fmt: skip
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_to_every_launcher_stops_an_etcd_job(tmp_path, shared_etcd_cluster):
+    """``scancel``: every launcher gets SIGTERM; the leader's coordinator is told
+    before its machine's workers stop (no relaunch of them), all exit 143."""
+    sleeper = tmp_path / "sleeper.py"
+    sleeper.write_text("import time\ntime.sleep(600)\n")  # no torch: cheap machines
+    machines = Machines(
+        tmp_path,
+        ["--nnodes", "2", "--nproc-per-node", "1", "--standby", "0", "--rdzv-id", "etcd-stop",
+         "--rdzv-backend", "etcd", "--master-addr", "127.0.0.1", "--rdzv-timeout", "120"],
+        [],
+    )  # fmt: skip
+    machines.common[machines.common.index("--rdzv-endpoint") + 1] = (
+        shared_etcd_cluster.endpoint_arg()
+    )
+    markers = {name: f"{machines.marker}-{name}" for name in "ab"}
+    try:
+        for name in "ab":
+            env = dict(machines.env, TEST_MULTINODE_MARKER=markers[name])
+            machines.start(
+                name, "--state-dir", str(tmp_path / f"state-{name}"), env=env, script=sleeper
+            )
+
+        def both_running() -> bool:
+            for name in "ab":
+                with contextlib.suppress(OSError, ValueError):
+                    path = tmp_path / f"state-{name}" / "state.json"
+                    state = json.loads(path.read_text())
+                    return len(state["workers"]) == 2 and all(
+                        w["status"] == "running" for w in state["workers"].values()
+                    )
+            return False
+
+        _wait(both_running, 180, "both machines' workers", machines)
+        for name in "ab":
+            machines.launchers[name].send_signal(signal.SIGTERM)
+        for name in "ab":
+            machines.launchers[name].wait(60)
+        logs = "".join(machines.log(name) for name in "ab")
+        for name in "ab":
+            assert machines.launchers[name].returncode == 128 + signal.SIGTERM, logs[-4000:]
+        assert "relaunch" not in logs, logs[-4000:]
+        _wait(
+            lambda: not any(_machine(m) for m in markers.values()),
+            30,
+            "every process of the job gone",
+            machines,
+        )
+    finally:
+        for marker in markers.values():
+            for p in _machine(marker):
+                with contextlib.suppress(psutil.Error):
+                    p.kill()
+        machines.kill_all()

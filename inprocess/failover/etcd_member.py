@@ -435,11 +435,12 @@ def run(args: argparse.Namespace, mn: MultiNodeArgs, argv: list[str]) -> int:
         hello(mn.job_id, mn.node_rank, agreed_args(args, mn), name),
         connect_timeout=args.rdzv_timeout,
         locate=locate,
+        # a stop signal stops the job through this machine's coordinator, if it
+        # leads, before this machine's workers stop (not taken for their loss)
+        on_signal=candidacy.signal,
     )
     try:
         code = agent.run()
-        if code > 128:  # stopped by a signal (Ctrl-C, scancel): the coordinator too
-            candidacy.signal(code - 128)
     except CoordinatorUnreachable as ex:
         log.error("%s", ex)
         code = 1

@@ -70,11 +70,15 @@ class NodeAgent:
         hello: dict[str, Any],
         connect_timeout: float,
         locate: Callable[[], tuple[str, int] | None] | None = None,
+        on_signal: Callable[[int], None] | None = None,
     ) -> None:
         #: where the coordinator is; with ``locate`` (an elected coordinator:
         #: :mod:`.etcd_member`) looked up again before each try to connect
         self.endpoint = endpoint
         self.locate = locate
+        #: told of a stop signal first, before this machine's workers stop
+        #: (an elected coordinator on this machine: :mod:`.etcd_member`)
+        self.on_signal = on_signal
         self.secret = secret
         self.hello = dict(hello)
         self.connect_timeout = connect_timeout
@@ -343,6 +347,8 @@ class NodeAgent:
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self._signal = signum
+        if self.on_signal is not None:
+            self.on_signal(signum)
 
     def _stopped_by_signal(self) -> int:
         assert self._signal is not None
