@@ -88,7 +88,8 @@ def test_three_machines_elect_their_coordinator_and_outlive_its_machine(tmp_path
     machine killed: another machine's launcher is elected, takes the job over
     (a cold restart from persisted snapshots: the store went with the machine),
     the spare takes the lost machine's place, and the job finishes exactly."""
-    job, steps = "etcd-job", 300
+    # enough steps that the job outlasts every phase below on a busy machine
+    job, steps = "etcd-job", 1500
     out = tmp_path / "out"
     machines = Machines(
         tmp_path,
@@ -172,6 +173,7 @@ def test_three_machines_elect_their_coordinator_and_outlive_its_machine(tmp_path
         log = machines.log(second_name)
         assert log.count("is not renewed; its coordinator goes on") == 1, log[-4000:]
         assert log.count("etcd does not answer") <= 2, log[-4000:]
+        assert _step(out) < steps - 200, "the job is too short for this test: more --steps"
         # every process of the coordinator's machine killed at once
         for p in _machine(markers[second_name]):
             with contextlib.suppress(psutil.Error):

@@ -383,6 +383,13 @@ def test_a_coordinator_writes_under_its_launcher_s_leadership(candidates, tmp_pa
     successor.load()
     successor.save(stopped)
     assert etcd_member.job_ended(other)
+    # the launcher leads again, but another leadership wrote the state meanwhile:
+    # not the coordinator's to overwrite
+    other.resign()
+    launcher.campaign(timeout=30)
+    with pytest.raises(NotLeader, match="changed under another leadership"):
+        store.save(with_event(state, "over another's decision"))
+    assert etcd_member.job_ended(launcher)
     follower.close()
 
 

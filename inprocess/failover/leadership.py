@@ -591,7 +591,7 @@ class Election:
         if kv is not None and self._following:
             # a term of ours that ended and came back: what another leader wrote
             # meanwhile is not ours to overwrite
-            self._mark_lost(lease)
+            self._mark_lost(lease, "another leadership wrote the key")
             raise NotLeader(
                 f"{key} was changed under another leadership (revision {kv.mod_revision})"
             )
