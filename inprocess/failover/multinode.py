@@ -174,7 +174,13 @@ def _join(
     name = str(their_hello.get("name") or shake.peer)
     problem = difference(agreed, their_hello)
     if problem is None:
-        slot = _start_slot(their_hello.get("node_rank"), joined, num_slots, own_slot)
+        agent = their_hello.get("agent")
+        again = [s for s, (held_by, _, _) in joined.items() if agent and held_by == str(agent)]
+        if again:  # the same machine again (it gave up waiting for our answer)
+            slot: int | str = again[0]
+            joined.pop(slot)[2].close()
+        else:
+            slot = _start_slot(their_hello.get("node_rank"), joined, num_slots, own_slot)
         if isinstance(slot, str):
             problem = slot
     if problem is not None:

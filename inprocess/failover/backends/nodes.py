@@ -302,6 +302,12 @@ class NodesBackend:
         for slot, holder in self.config.joined.items():
             if holder == agent_id and slot not in self._agents:
                 return slot
+        for slot, agent in self._agents.items():
+            if hello.get("agent") and agent.agent_id == agent_id:
+                # the same machine again: the answer to its earlier handshake was
+                # lost (it gave up waiting on a busy controller); its slot, with
+                # the new link (the old one is closed by _admit)
+                return slot
         rank = hello.get("node_rank")
         if isinstance(rank, int):  # its own slot, if that is free (a requeued machine's)
             if rank in self._agents or rank == self.config.own_slot:
